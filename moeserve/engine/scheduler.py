@@ -1,0 +1,128 @@
+"""Continuous batching with chunked prefill and preemption by recompute (policy only).
+
+Each step has a token budget. Running requests go first (one token each when decoding, the
+next chunk when a prompt is still being prefilled), then waiting requests in arrival order,
+their prompts cut into chunks to fit the budget. When pages run out, the most recently
+arrived running request is preempted: its pages are released and it goes back to the head
+of the waiting queue, to be recomputed (prompt + what it generated) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from moeserve.config import SchedulerConfig
+from moeserve.engine.kv_blocks import PageAllocator
+from moeserve.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # new tokens computed per request
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+    def samples(self, i: int) -> bool:
+        """Whether request i reaches the end of its known tokens this step (so it samples)."""
+        r = self.requests[i]
+        return r.num_computed + self.num_tokens[i] == r.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, allocator: PageAllocator) -> None:
+        self.cfg = cfg
+        self.alloc = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request) -> None:
+        """Release a finished or aborted request (call after req.finish())."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.alloc.release(req.pages)
+        req.pages = []
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.cfg.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_to_compute, budget)
+            while not self._grow(req, n):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is req:
+                    break
+            else:
+                batch.requests.append(req)
+                batch.num_tokens.append(n)
+                budget -= n
+                i += 1
+        if batch.preempted:  # pages are short: do not admit new work this step
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_computed == 0 and not req.pages:
+                self._reuse_prefix(req)
+            n = min(req.num_to_compute, budget)
+            if not self._grow(req, n):
+                self.alloc.release(req.pages)  # retry the prefix match next time
+                req.pages, req.num_computed, req.num_cached_tokens = [], 0, 0
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _reuse_prefix(self, req: Request) -> None:
+        if req.params.prompt_logprobs is not None:
+            return  # prompt logprobs need every prompt position computed
+        pages = self.alloc.match_prefix(req.all_ids)
+        req.pages = pages
+        req.num_computed = len(pages) * self.alloc.page_size
+        req.num_cached_tokens = req.num_computed
+
+    def _grow(self, req: Request, n: int) -> bool:
+        need = self.alloc.pages_for(req.num_computed + n) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.alloc.allocate(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(req)
+        self.alloc.release(req.pages)
+        req.pages = []
+        req.num_computed = 0
+        req.num_cached_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        batch.preempted.append(req)
+
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Advance computed counts and publish newly full pages to the prefix cache."""
+        for req, n in zip(batch.requests, batch.num_tokens, strict=True):
+            req.num_computed += n
+            self.alloc.register_full_pages(req.pages, req.all_ids, req.num_computed)

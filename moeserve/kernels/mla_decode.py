@@ -1,0 +1,442 @@
+"""MLA decode attention over the paged latent cache (absorbed form, split-KV).
+
+Layouts (DeepSeek-V3 / Kimi-K2.5: kv_lora_rank 512, qk_rope_head_dim 64):
+
+- ``q``            ``[B, H, 576]`` bf16/fp16/fp32, last dim contiguous: the absorbed query,
+                   ``[q_nope @ W_UK_T (512) | q_pe (64)]``.
+- ``kv_cache``     ``[num_pages, page_size, 576]`` bf16 or float8_e4m3fn, last dim contiguous.
+                   Row = ``[normalised latent c (512) | roped k_pe (64)]``. One KV head (MQA):
+                   keys are the whole row, values are its first 512 entries.
+- ``kv_scale``     FP8 only: fp32 tensor with one element, dequant = fp8 * scale (whole row).
+- ``block_tables`` ``[B, max_pages]`` int32: page ids of each sequence, in token order.
+                   Entries past a sequence's last page are never read (any value is fine).
+- ``seq_lens``     ``[B]`` int32, tokens in the cache per sequence (may differ; 0 -> zeros).
+- ``out``          ``[B, H, 512]`` preallocated, last dim contiguous; written, also returned.
+
+``page_size`` must be a power of two >= 1 (the kernel splits token ids with shifts/masks).
+
+Algorithm: stage 1 runs one program per (sequence, KV split, head group). It walks its
+token range in tiles of ``BLOCK_N`` tokens; each tile is gathered through the block table
+(one row pointer per token, so any page size works and pages may be in any order), and
+all heads of the group share it: ``scores = q[BLOCK_H, 576] @ k[BLOCK_N, 576]^T`` and
+``acc += p @ k[:, :512]`` on the tensor cores with an online (log2-domain) softmax. FP8
+tiles are converted to bf16 in registers (exact: every e4m3 value is a bf16 value); the
+scalar scale is folded into the softmax scale and the final normalisation, so no per-element
+multiply is spent on it. Stage 2 merges the per-split partial outputs with their
+log-sum-exp. With one split, stage 1 writes ``out`` directly and stage 2 is skipped.
+
+CUDA graphs: every launch shape depends only on tensor shapes and ``num_splits`` (never on
+``seq_lens`` values), and the per-split partials live in a :class:`MLADecodeWorkspace`.
+Allocate one workspace for the largest batch before capture and pass it on every call
+(``workspace=``); the captured graph then reads new ``seq_lens``/``block_tables`` contents
+on replay. Without a workspace the wrapper allocates one per call (fine eagerly, and
+inside a capture it comes from the graph's private pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+LATENT_DIM = KV_LORA_RANK + ROPE_DIM  # one cached row per token and layer
+LOG2E = 1.4426950408889634
+FP8_E4M3_MAX = 448.0
+
+# SMs of an H100/H200; the split heuristic aims at a few waves of CTAs on such a GPU.
+_DEFAULT_SM_COUNT = 132
+# Each split should still stream enough KV to amortise its partial write and merge.
+_MIN_TOKENS_PER_SPLIT = 256
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Launch parameters of the split kernel (tuned on H200, see benchmarks/kernels_mla.py)."""
+
+    block_h: int = 64  # heads per program; >= 16 (tl.dot minimum), power of two
+    block_n: int = 32  # tokens per KV tile, power of two >= 16
+    num_warps: int = 8
+    num_stages: int = 2
+    # FP8 cache only, experimental: q @ k^T on FP8 tensor cores with q quantised per head.
+    fp8_qk: bool = False
+
+
+DEFAULT_CONFIG = MLADecodeConfig()
+
+
+@dataclass
+class MLADecodeWorkspace:
+    """Static split-KV scratch (partial outputs and their log2-sum-exp) for CUDA graphs.
+
+    ``partial_out`` is ``[max_batch, heads, max_splits, 512]`` fp32 and ``partial_lse``
+    ``[max_batch, heads, max_splits]`` fp32. Any batch <= max_batch and num_splits <=
+    max_splits can use it.
+    """
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, max_batch: int, num_heads: int, max_splits: int, device: torch.device | str
+    ) -> MLADecodeWorkspace:
+        po = torch.empty(
+            (max_batch, num_heads, max_splits, KV_LORA_RANK), dtype=torch.float32, device=device
+        )
+        pl = torch.empty((max_batch, num_heads, max_splits), dtype=torch.float32, device=device)
+        return cls(po, pl)
+
+    @property
+    def max_splits(self) -> int:
+        return self.partial_out.shape[2]
+
+
+def default_num_splits(
+    batch: int,
+    num_heads: int,
+    max_context: int,
+    config: MLADecodeConfig = DEFAULT_CONFIG,
+    sm_count: int = _DEFAULT_SM_COUNT,
+) -> int:
+    """Splits so that batch * head_groups * splits fills ~2 waves of SMs.
+
+    Depends only on static sizes (``max_context`` = block_tables capacity), so it is the
+    same for every replay of a captured graph.
+    """
+    head_groups = triton.cdiv(num_heads, config.block_h)
+    programs = batch * head_groups
+    want = triton.cdiv(2 * sm_count, programs)
+    by_length = max(1, max_context // _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, by_length))
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_ptr,
+    kv_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    scale_ptr,
+    out_ptr,
+    po_ptr,
+    pl_ptr,
+    qk_scale,  # sm_scale * log2(e)
+    num_heads,
+    stride_qb,
+    stride_qh,
+    stride_kv_page,
+    stride_kv_tok,
+    stride_btb,
+    stride_ob,
+    stride_oh,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_LAT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+    FP8_QK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    hg = tl.program_id(2)
+    num_splits = tl.num_programs(1)  # runtime, so changing it does not recompile
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
+
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_d = tl.arange(0, D_LAT)
+    offs_r = tl.arange(0, D_ROPE)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+    q_lat = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
+    q_pe = tl.load(q_row + D_LAT + offs_r[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
+
+    if HAS_SCALE:
+        kv_scale = tl.load(scale_ptr).to(tl.float32)
+    else:
+        kv_scale = 1.0
+    if FP8_QK:
+        # Experimental: q quantised per head to e4m3 so q @ k^T runs on FP8 tensor cores
+        # straight from the cached bytes; p @ v stays bf16. Costs accuracy (~e4m3 q).
+        q_amax = tl.maximum(tl.max(tl.abs(q_lat), axis=1), tl.max(tl.abs(q_pe), axis=1))
+        q_deq = tl.where(q_amax > 0.0, q_amax / FP8_MAX, 1.0)
+        q_lat_op = (q_lat / q_deq[:, None]).to(kv_ptr.dtype.element_ty)
+        q_pe_op = (q_pe / q_deq[:, None]).to(kv_ptr.dtype.element_ty)
+        row_scale = q_deq * (qk_scale * kv_scale)
+    else:
+        q_lat_op = q_lat.to(tl.bfloat16)
+        q_pe_op = q_pe.to(tl.bfloat16)
+        row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * (qk_scale * kv_scale)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+
+    for tile in range(tile_lo, tile_hi):
+        tok = tile * BLOCK_N + offs_n
+        mask_n = tok < seq_len
+        page = tl.load(bt_row + tok // PAGE_SIZE, mask=mask_n, other=0)
+        row = page.to(tl.int64) * stride_kv_page + (tok % PAGE_SIZE) * stride_kv_tok
+        k_lat = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        k_pe = tl.load(
+            kv_ptr + row[:, None] + D_LAT + offs_r[None, :], mask=mask_n[:, None], other=0.0
+        )
+        if FP8_QK:
+            s = tl.dot(q_lat_op, tl.trans(k_lat))
+            s = tl.dot(q_pe_op, tl.trans(k_pe), s)
+            k_lat = k_lat.to(tl.bfloat16)
+        else:
+            k_lat = k_lat.to(tl.bfloat16)
+            k_pe = k_pe.to(tl.bfloat16)
+            s = tl.dot(q_lat_op, tl.trans(k_lat))
+            s = tl.dot(q_pe_op, tl.trans(k_pe), s)
+        s = tl.where(mask_n[None, :], s * row_scale[:, None], float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(tl.bfloat16), k_lat, acc)
+        m_i = m_new
+
+    # Empty split (short sequence): l_i == 0, write zeros and lse = -inf.
+    has = l_i > 0.0
+    inv_l = tl.where(has, kv_scale / tl.where(has, l_i, 1.0), 0.0)
+    o = acc * inv_l[:, None]
+    if DIRECT_OUT:
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh
+        tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        po = po_ptr + b.to(tl.int64) * stride_pob + offs_h[:, None] * stride_poh
+        po += split * stride_pos
+        tl.store(po + offs_d[None, :], o, mask=mask_h[:, None])
+        pl = pl_ptr + b.to(tl.int64) * stride_plb + offs_h * stride_plh + split
+        tl.store(pl, lse, mask=mask_h)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    po_ptr,
+    pl_ptr,
+    out_ptr,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    D_LAT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(
+        pl_ptr + b.to(tl.int64) * stride_plb + h * stride_plh + offs_s,
+        mask=mask_s,
+        other=float("-inf"),
+    )
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(mask_s & (lse > float("-inf")), tl.exp2(lse - m_safe), 0.0)
+    denom = tl.sum(w, axis=0)
+    w = w / tl.where(denom > 0.0, denom, 1.0)
+    offs_d = tl.arange(0, D_LAT)
+    po = po_ptr + b.to(tl.int64) * stride_pob + h * stride_poh
+    parts = tl.load(
+        po + offs_s[:, None] * stride_pos + offs_d[None, :],
+        mask=(mask_s & (w > 0.0))[:, None],
+        other=0.0,
+    )
+    o = tl.sum(parts * w[:, None], axis=0)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+        o.to(out_ptr.dtype.element_ty),
+    )
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+) -> None:
+    if q.dim() != 3 or q.shape[-1] != LATENT_DIM or q.stride(-1) != 1:
+        raise ValueError(f"q must be [B, H, {LATENT_DIM}] with a contiguous last dim")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != LATENT_DIM or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache must be [pages, page_size, {LATENT_DIM}], last dim contiguous")
+    page_size = kv_cache.shape[1]
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
+    batch, heads = q.shape[0], q.shape[1]
+    if out.shape != (batch, heads, KV_LORA_RANK) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [B, H, {KV_LORA_RANK}] with a contiguous last dim")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError("block_tables must be [B, max_pages]")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables and seq_lens must be int32")
+    if seq_lens.shape != (batch,):
+        raise ValueError("seq_lens must be [B]")
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        if kv_scale is None or kv_scale.numel() != 1:
+            raise ValueError("an FP8 cache needs kv_scale, a one-element fp32 tensor")
+    elif kv_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"unsupported kv_cache dtype {kv_cache.dtype}")
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    workspace: MLADecodeWorkspace | None = None,
+    config: MLADecodeConfig = DEFAULT_CONFIG,
+) -> torch.Tensor:
+    """Absorbed MLA decode attention; writes ``out [B, H, 512]`` and returns it.
+
+    ``num_splits`` defaults to :func:`default_num_splits` of the static sizes. ``kv_scale``
+    is required for (and only used with) a float8_e4m3fn cache. See the module docstring
+    for layouts and CUDA-graph use of ``workspace``.
+    """
+    _check_inputs(q, kv_cache, block_tables, seq_lens, out, kv_scale)
+    batch, heads = q.shape[0], q.shape[1]
+    page_size = kv_cache.shape[1]
+    if num_splits is None:
+        num_splits = default_num_splits(batch, heads, block_tables.shape[1] * page_size, config)
+    num_splits = max(1, int(num_splits))
+    direct = num_splits == 1
+    if direct:
+        po = pl = out  # unused placeholders
+    else:
+        if workspace is None:
+            workspace = MLADecodeWorkspace.allocate(batch, heads, num_splits, q.device)
+        if workspace.max_splits < num_splits or workspace.partial_out.shape[0] < batch:
+            raise ValueError("workspace too small for this batch / num_splits")
+        po, pl = workspace.partial_out, workspace.partial_lse
+    has_scale = kv_cache.dtype == torch.float8_e4m3fn
+    scale_arg = kv_scale if has_scale else out
+    grid = (batch, num_splits, triton.cdiv(heads, config.block_h))
+    _mla_decode_split_kernel[grid](
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        scale_arg,
+        out,
+        po,
+        pl,
+        float(sm_scale) * LOG2E,
+        heads,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        po.stride(0),
+        po.stride(1),
+        po.stride(2) if not direct else 0,
+        pl.stride(0),
+        pl.stride(1),
+        PAGE_SIZE=page_size,
+        BLOCK_H=config.block_h,
+        BLOCK_N=config.block_n,
+        D_LAT=KV_LORA_RANK,
+        D_ROPE=ROPE_DIM,
+        HAS_SCALE=has_scale,
+        DIRECT_OUT=direct,
+        FP8_QK=bool(config.fp8_qk and has_scale),
+        FP8_MAX=FP8_E4M3_MAX,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if not direct:
+        _mla_decode_merge_kernel[(batch, heads)](
+            po,
+            pl,
+            out,
+            po.stride(0),
+            po.stride(1),
+            po.stride(2),
+            pl.stride(0),
+            pl.stride(1),
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits),
+            D_LAT=KV_LORA_RANK,
+            num_warps=4,
+        )
+    return out
+
+
+def gather_latent_rows(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``seq_len`` cached rows of one sequence as fp32 ``[seq_len, 576]`` (dequantised)."""
+    page_size = kv_cache.shape[1]
+    tok = torch.arange(seq_len, device=kv_cache.device)
+    pages = block_table.long()[tok // page_size]
+    rows = kv_cache[pages, tok % page_size].float()
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        assert kv_scale is not None, "an FP8 cache needs kv_scale"
+        rows = rows * kv_scale.float().reshape(())
+    return rows
+
+
+def mla_decode_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """fp32 torch reference of :func:`mla_decode` (``num_splits`` is ignored)."""
+    del num_splits
+    _check_inputs(q, kv_cache, block_tables, seq_lens, out, kv_scale)
+    for b, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            out[b].zero_()
+            continue
+        kv = gather_latent_rows(kv_cache, block_tables[b], n, kv_scale)
+        scores = (q[b].float() @ kv.t()) * sm_scale
+        probs = torch.softmax(scores, dim=-1)
+        out[b] = (probs @ kv[:, :KV_LORA_RANK]).to(out.dtype)
+    return out

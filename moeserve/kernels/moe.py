@@ -1,0 +1,326 @@
+"""Fused NVFP4 mixture-of-experts (W4A16): align -> gate_up+SiLU*up -> down*weight -> combine.
+
+Weight layout (stacked experts, ModelOpt NVFP4 per expert, see nvfp4_gemm.py):
+  w13        uint8         [E, 2I, H/2]   gate rows 0..I-1, then up rows I..2I-1
+  w13_scale  float8_e4m3fn [E, 2I, H/16]
+  w13_gs     fp32          [E]            one global scale per expert shared by gate and up. A
+                                          checkpoint with separate gate/up globals is loaded as
+                                          gs = max(gs_gate, gs_up) and the other half's block
+                                          scales rescaled by gs_own/gs (the loader's job).
+  w2         uint8         [E, H, I/2]
+  w2_scale   float8_e4m3fn [E, H, I/16]
+  w2_gs      fp32          [E]
+Routing: topk_ids int32 [M, k], topk_weights fp32 [M, k]. Output [M, H] in x.dtype:
+  out[m] = sum_j topk_weights[m, j] * down_e(silu(gate_e(x_m)) * up_e(x_m)),  e = topk_ids[m, j]
+
+Kernels: one single-program Triton kernel sorts the M*k (token, expert) slots by expert into
+blocks of BLOCK_M rows (padding slots = M*k); each expert's weights are then streamed once per
+block of its tokens, so a decode step (few tokens x 8 experts) reads each touched expert once.
+The intermediate (M*k x I, bf16) and the per-slot down output (M*k x H, fp32) are the only
+round trips through memory; a last small kernel sums each token's k rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.kernels.configs import tile_config
+from moeserve.kernels.nvfp4_gemm import (
+    ACC_FIX_EXP,
+    NVFP4_BLOCK,
+    _dot_acc,
+    _load_act_t,
+    _load_decode_tile,
+    default_decode,
+    dequantize_nvfp4,
+)
+
+ALIGN_CHUNK = 1024  # slots handled per vector step inside the single-program align kernel
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch reference
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_moe_nvfp4_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_gs: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_gs: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Loop over the experts that received tokens; fp32 math, intermediate rounded to x.dtype
+    (as the fused kernel stores it)."""
+    m, _ = x.shape
+    inter_size = w13.shape[1] // 2
+    acc = torch.zeros(m, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        rows, cols = (topk_ids == e).nonzero(as_tuple=True)
+        w13_e = dequantize_nvfp4(w13[e], w13_scale[e], w13_gs[e], torch.float32)
+        w2_e = dequantize_nvfp4(w2[e], w2_scale[e], w2_gs[e], torch.float32)
+        h = x[rows].float() @ w13_e.t()
+        g, u = h[:, :inter_size], h[:, inter_size:]
+        a = (torch.nn.functional.silu(g) * u).to(x.dtype).float()
+        y = a @ w2_e.t()
+        acc.index_add_(0, rows, y * topk_weights[rows, cols].float()[:, None])
+    res = acc.to(x.dtype)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr, sorted_ptr, expert_ids_ptr, counts_ptr, starts_ptr, ranks_ptr,
+    Mk, E, max_blocks, max_blocks_per_expert,
+    BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program. sorted[b*BLOCK_M + r] = slot (or Mk = padding) for block b whose expert is
+    expert_ids[b] (-1 = unused block). Ranks within an expert come from atomics, so the order of
+    slots inside an expert is arbitrary (the sum does not care)."""
+    offs = tl.arange(0, CHUNK)
+    e_offs = tl.arange(0, E_P)
+    tl.store(counts_ptr + e_offs, tl.zeros((E_P,), tl.int32), mask=e_offs < E)
+    for c in range(0, max_blocks * BLOCK_M, CHUNK):
+        tl.store(sorted_ptr + c + offs, tl.full((CHUNK,), 0, tl.int32) + Mk, mask=c + offs < max_blocks * BLOCK_M)
+    for c in range(0, max_blocks, CHUNK):
+        tl.store(expert_ids_ptr + c + offs, tl.full((CHUNK,), -1, tl.int32), mask=c + offs < max_blocks)
+    tl.debug_barrier()
+    for c in range(0, Mk, CHUNK):
+        msk = c + offs < Mk
+        ids = tl.load(ids_ptr + c + offs, mask=msk, other=0)
+        rank = tl.atomic_add(counts_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=msk)
+        tl.store(ranks_ptr + c + offs, rank, mask=msk)
+    tl.debug_barrier()
+    cnt = tl.load(counts_ptr + e_offs, mask=e_offs < E, other=0, volatile=True)
+    blocks = (cnt + BLOCK_M - 1) // BLOCK_M
+    start = tl.cumsum(blocks, 0) - blocks
+    tl.store(starts_ptr + e_offs, start, mask=e_offs < E)
+    for t in range(0, max_blocks_per_expert):
+        tl.store(expert_ids_ptr + start + t, e_offs, mask=(e_offs < E) & (t < blocks))
+    tl.debug_barrier()
+    for c in range(0, Mk, CHUNK):
+        msk = c + offs < Mk
+        ids = tl.load(ids_ptr + c + offs, mask=msk, other=0)
+        rank = tl.load(ranks_ptr + c + offs, mask=msk, other=0, volatile=True)
+        st = tl.load(starts_ptr + ids, mask=msk, other=0, volatile=True)
+        tl.store(sorted_ptr + st * BLOCK_M + rank, c + offs, mask=msk)
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, inter_ptr, sorted_ptr, expert_ids_ptr,
+    Mk, I, H, stride_xm,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_ITERS: tl.constexpr, DECODE: tl.constexpr,
+):
+    """inter[slot, n] = silu(gate) * up for the slots of block pid(1), columns of tile pid(0).
+    Gate rows n and up rows I+n are decoded in the same loop so x is read once for both."""
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_b)
+    if expert < 0:
+        return
+    slots = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = slots[None, :] < Mk
+    x_rows = x_ptr + (slots[None, :] // TOPK).to(tl.int64) * stride_xm
+    KH = H // 2
+    KG = H // 16
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n[:, None] < I
+    w_e = w_ptr + expert.to(tl.int64) * (2 * I) * KH
+    s_e = s_ptr + expert.to(tl.int64) * (2 * I) * KG
+    g_rows = w_e + offs_n[:, None].to(tl.int64) * KH
+    u_rows = w_e + (offs_n[:, None] + I).to(tl.int64) * KH
+    gs_rows = s_e + offs_n[:, None].to(tl.int64) * KG
+    us_rows = s_e + (offs_n[:, None] + I).to(tl.int64) * KG
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for it in range(K_ITERS):
+        kb0 = it * (BLOCK_K // 2)
+        xe, xo = _load_act_t(x_rows, m_mask, kb0, H, BLOCK_K)
+        ge, go = _load_decode_tile(g_rows, gs_rows, n_mask, kb0, KH, KG, BLOCK_N, BLOCK_K, DECODE)
+        acc_g = _dot_acc(ge, xe, acc_g, DECODE)
+        acc_g = _dot_acc(go, xo, acc_g, DECODE)
+        ue, uo = _load_decode_tile(u_rows, us_rows, n_mask, kb0, KH, KG, BLOCK_N, BLOCK_K, DECODE)
+        acc_u = _dot_acc(ue, xe, acc_u, DECODE)
+        acc_u = _dot_acc(uo, xo, acc_u, DECODE)
+    gs = tl.load(gs_ptr + expert) * (2.0 ** ACC_FIX_EXP)
+    g = acc_g * gs
+    u = acc_u * gs
+    h = g / (1.0 + tl.exp(-g)) * u
+    ptrs = inter_ptr + slots[None, :].to(tl.int64) * I + offs_n[:, None]
+    tl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=n_mask & m_mask)
+
+
+@triton.jit
+def _moe_down_kernel(
+    a_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ptr, expert_ids_ptr, topk_w_ptr,
+    Mk, H, I,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_ITERS: tl.constexpr, DECODE: tl.constexpr,
+):
+    """y[slot, n] = topk_weight[slot] * (inter[slot] @ W2_e^T)[n], fp32."""
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_b)
+    if expert < 0:
+        return
+    slots = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slots < Mk
+    m_mask = valid[None, :]
+    a_rows = a_ptr + slots[None, :].to(tl.int64) * I
+    KH = I // 2
+    KG = I // 16
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n[:, None] < H
+    w_rows = w_ptr + expert.to(tl.int64) * H * KH + offs_n[:, None].to(tl.int64) * KH
+    s_rows = s_ptr + expert.to(tl.int64) * H * KG + offs_n[:, None].to(tl.int64) * KG
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for it in range(K_ITERS):
+        kb0 = it * (BLOCK_K // 2)
+        ae, ao = _load_act_t(a_rows, m_mask, kb0, I, BLOCK_K)
+        we, wo = _load_decode_tile(w_rows, s_rows, n_mask, kb0, KH, KG, BLOCK_N, BLOCK_K, DECODE)
+        acc = _dot_acc(we, ae, acc, DECODE)
+        acc = _dot_acc(wo, ao, acc, DECODE)
+    wt = tl.load(topk_w_ptr + slots, mask=valid, other=0.0)
+    acc = acc * (tl.load(gs_ptr + expert) * (2.0 ** ACC_FIX_EXP)) * wt[None, :]
+    ptrs = y_ptr + slots[None, :].to(tl.int64) * H + offs_n[:, None]
+    tl.store(ptrs, acc, mask=n_mask & m_mask)
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, out_ptr, H, stride_om, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[m, :] = sum_j y[m*TOPK + j, :] (fp32 sum, stored in out's dtype)."""
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    msk = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(TOPK):
+        acc += tl.load(y_ptr + (m * TOPK + j).to(tl.int64) * H + offs, mask=msk, other=0.0)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=msk)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host wrapper
+# ----------------------------------------------------------------------------------------------
+
+COMBINE_BLOCK_H = 1024
+
+
+def max_aligned_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on sum_e ceil(count_e / block_m) over the experts that got slots."""
+    return (num_slots + min(num_slots, num_experts) * (block_m - 1)) // block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [M, k] -> (sorted slot ids int32 [max_blocks*block_m], expert per block int32
+    [max_blocks], -1 for unused blocks). One kernel launch, no host synchronisation."""
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    mk = ids.numel()
+    nb = max_aligned_blocks(mk, num_experts, block_m)
+    dev = ids.device
+    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(nb, dtype=torch.int32, device=dev)
+    scratch = torch.empty(2 * num_experts + mk, dtype=torch.int32, device=dev)
+    counts, starts, ranks = scratch[:num_experts], scratch[num_experts : 2 * num_experts], scratch[2 * num_experts :]
+    _moe_align_kernel[(1,)](
+        ids, sorted_ids, expert_ids, counts, starts, ranks,
+        mk, num_experts, nb, triton.cdiv(mk, block_m),
+        BLOCK_M=block_m, E_P=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK, num_warps=4,
+    )
+    return sorted_ids, expert_ids
+
+
+def _check_moe_args(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs) -> None:
+    m, h = x.shape
+    e, two_i, h_half = w13.shape
+    i = two_i // 2
+    expect = {
+        "topk_weights": (topk_weights, tuple(topk_ids.shape)),
+        "w13": (w13, (e, 2 * i, h // 2)),
+        "w13_scale": (w13_scale, (e, 2 * i, h // NVFP4_BLOCK)),
+        "w13_gs": (w13_gs, (e,)),
+        "w2": (w2, (e, h, i // 2)),
+        "w2_scale": (w2_scale, (e, h, i // NVFP4_BLOCK)),
+        "w2_gs": (w2_gs, (e,)),
+    }
+    for name, (t, shape) in expect.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or h % NVFP4_BLOCK or i % NVFP4_BLOCK:
+        raise ValueError(f"bad MoE shapes: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, I={i}")
+    if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
+        raise TypeError("w13 and w2 must be packed uint8")
+
+
+def fused_moe_nvfp4(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_gs: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_gs: torch.Tensor,
+    out: torch.Tensor | None = None,
+    gate_up_config: dict[str, int] | None = None,
+    down_config: dict[str, int] | None = None,
+    decode: int | None = None,
+) -> torch.Tensor:
+    """Fused NVFP4 MoE, see the module docstring for layouts. Graph-capturable (no host sync);
+    temporaries come from the caching allocator (the graph's pool under capture)."""
+    _check_moe_args(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs)
+    m, h = x.shape
+    num_e, two_i, _ = w13.shape
+    inter_size = two_i // 2
+    topk = topk_ids.shape[1]
+    mk = m * topk
+    if out is None:
+        out = torch.empty(m, h, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    dec = default_decode() if decode is None else decode
+    cfg1 = gate_up_config or tile_config("moe_gate_up", m, f"{num_e}:{two_i}x{h}")
+    cfg2 = down_config or tile_config("moe_down", m, f"{num_e}:{h}x{inter_size}")
+    bm = cfg1["BLOCK_M"]  # the alignment block size is shared by both GEMMs
+    sorted_ids, expert_ids = moe_align(topk_ids, num_e, bm)
+    nb = expert_ids.numel()
+    inter = torch.empty(mk, inter_size, dtype=x.dtype, device=x.device)
+    y = torch.empty(mk, h, dtype=torch.float32, device=x.device)
+    tw = topk_weights.reshape(-1).to(torch.float32)
+    bn1, bk1 = cfg1["BLOCK_N"], cfg1["BLOCK_K"]
+    _moe_gate_up_kernel[(triton.cdiv(inter_size, bn1), nb)](
+        x, w13, w13_scale.view(torch.uint8), w13_gs, inter, sorted_ids, expert_ids,
+        mk, inter_size, h, x.stride(0),
+        TOPK=topk, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, K_ITERS=triton.cdiv(h, bk1), DECODE=dec,
+        num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"],
+    )
+    bn2, bk2 = cfg2["BLOCK_N"], cfg2["BLOCK_K"]
+    _moe_down_kernel[(triton.cdiv(h, bn2), nb)](
+        inter, w2, w2_scale.view(torch.uint8), w2_gs, y, sorted_ids, expert_ids, tw,
+        mk, h, inter_size,
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, K_ITERS=triton.cdiv(inter_size, bk2), DECODE=dec,
+        num_warps=cfg2["num_warps"], num_stages=cfg2["num_stages"],
+    )
+    _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK_H))](
+        y, out, h, out.stride(0), TOPK=topk, BLOCK_H=COMBINE_BLOCK_H, num_warps=4,
+    )
+    return out

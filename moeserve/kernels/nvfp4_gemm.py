@@ -1,0 +1,426 @@
+"""NVFP4 (ModelOpt layout) helpers and the weight-only W4A16 GEMM.
+
+Layout of one quantized linear with weight [N, K] (K a multiple of 16), see shared/SPECS.md:
+  packed  uint8          [N, K/2]   two E2M1 codes per byte along K, element 2i in the LOW nibble
+  scale   float8_e4m3fn  [N, K/16]  one block scale per 16 elements
+  global  float32 scalar            amax(W) / (6*448); dequantization multiplies by it
+E2M1 code = sign<<3 | idx, idx 0..7 -> 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+
+The torch functions here (``dequantize_nvfp4``, ``quantize_nvfp4``, ``nvfp4_gemm_ref``) are pure
+torch and run on the CPU; they are the oracle for the Triton kernel below them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+NVFP4_BLOCK = 16
+# Decision boundaries between neighbouring E2M1 magnitudes, and whether a tie goes UP
+# (round-half-to-even: a tie goes to the neighbour whose index is even).
+_E2M1_BOUNDS: tuple[float, ...] = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIE_UP: tuple[bool, ...] = (False, True, False, True, False, True, False)
+
+
+def e2m1_table(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 16 E2M1 values indexed by the 4-bit code (sign in bit 3)."""
+    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    return torch.cat([mags, -mags]).to(device=device, dtype=dtype)
+
+
+def unpack_e2m1_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> uint8 codes [..., K] (low nibble first)."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+def pack_e2m1_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., K] (K even) -> uint8 [..., K/2], element 2i in the low nibble."""
+    pairs = codes.to(torch.uint8).unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor | float,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """packed uint8 [..., N, K/2], scale e4m3 [..., N, K/16], global fp32 scalar -> [..., N, K].
+
+    Leading batch dims (stacked experts) are allowed; a global scale with one value per
+    leading index ([E]) is broadcast over its expert.
+    """
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be uint8, got {packed.dtype}")
+    k = packed.shape[-1] * 2
+    if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * NVFP4_BLOCK != k:
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)}")
+    codes = unpack_e2m1_codes(packed).long()
+    vals = e2m1_table(packed.device)[codes]
+    block = scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=packed.device)
+    gs = gs.reshape(gs.shape + (1,) * (packed.dim() - gs.dim()))  # [E] -> [E, 1, 1]
+    return (vals * block * gs).to(dtype)
+
+
+def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """Non-negative fp32 values -> E2M1 magnitude index 0..7, round-half-to-even, saturating."""
+    idx = torch.zeros_like(x, dtype=torch.uint8)
+    for bound, tie_up in zip(_E2M1_BOUNDS, _E2M1_TIE_UP, strict=True):
+        idx += (x >= bound if tie_up else x > bound).to(torch.uint8)
+    return idx
+
+
+def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] (K a multiple of 16) -> (packed uint8 [N,K/2], scale e4m3 [N,K/16], global fp32 []).
+
+    ModelOpt convention: global = amax / (6*448); block scale = block_amax / (6*global) cast to
+    e4m3 (an all-zero block gets 1); code = round-half-to-even of w / (scale*global) on the E2M1
+    grid. An all-zero tensor gets global 1/(6*448) so that dequantization stays finite.
+    """
+    if w.dim() != 2 or w.shape[1] % NVFP4_BLOCK:
+        raise ValueError(f"quantize_nvfp4 wants [N, K] with K % 16 == 0, got {tuple(w.shape)}")
+    wf = w.float()
+    amax = wf.abs().amax()
+    gs = torch.where(amax > 0, amax, torch.ones_like(amax)) / (E2M1_MAX * E4M3_MAX)
+    blocks = wf.unflatten(1, (-1, NVFP4_BLOCK))  # [N, K/16, 16]
+    bmax = blocks.abs().amax(dim=-1)
+    scale = (bmax / (E2M1_MAX * gs)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    # All-zero blocks, and blocks so small that their scale underflowed e4m3, get scale 1:
+    # their codes then round to (nearly) zero instead of dividing by zero.
+    scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(bmax)).to(torch.float8_e4m3fn)
+    q = blocks / (scale.float() * gs).unsqueeze(-1)
+    codes = _e2m1_round(q.abs()) | ((q < 0).to(torch.uint8) << 3)
+    return pack_e2m1_codes(codes.flatten(1)), scale, gs.to(torch.float32)
+
+
+def nvfp4_gemm_ref(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor | float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch reference: x [M, K] @ dequant(W)^T -> [M, N] in x.dtype (fp32 accumulate)."""
+    w = dequantize_nvfp4(packed, scale, global_scale, torch.float32)
+    y = (x.float() @ w.t()).to(x.dtype)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton W4A16 kernel
+#
+# Decode trick (Marlin-style, on packed 32-bit words): a word holds 8 codes n0..n7 (n0 = low
+# nibble of byte 0). For a nibble sitting in the TOP 4 bits of a 16-bit half, bf16 bits
+# `(h & 0x8000) | ((h & 0x7000) >> 6)` put the sign at bit 15 and (e1 e0 m) at bits 8..6, which
+# read as bf16 equals the E2M1 value * 2^-126 (e=0 lands on a bf16 subnormal, still exact).
+# Shifting the word by 0/4/8/12 brings every nibble pair (n_j, n_{j+4}) to that position: three
+# shifts + three ops per bf16x2, no per-element work. One `mul.rn.bf16x2` by the block scale,
+# pre-multiplied by 2^118, makes the tile value*scale*2^-8 (exact: <= 5 significant bits, normal
+# range); the remaining 2^8 and the global scale are applied to the fp32 accumulator.
+# The even K elements of a word come out in the order bytes (0, 2, 1, 3), the odd ones likewise;
+# instead of interleaving registers the kernel loads the activation columns in that order
+# (a dot product is invariant under a common permutation of K).
+# ----------------------------------------------------------------------------------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+# Jitted code may only read constexpr globals.
+SCALE_BIAS_EXP = tl.constexpr(118)  # block scale * 2^118 fits bf16 (448 * 2^118 < 2^127)
+ACC_FIX_EXP = tl.constexpr(8)  # 126 - 118: applied once to the accumulator
+
+_E2M1_ASM_TEXT = """
+{
+.reg .b32 q4, q8, q12, t;
+shl.b32 q4, $4, 4;
+shl.b32 q8, $4, 8;
+shl.b32 q12, $4, 12;
+and.b32 t, q12, 0x70007000;
+shr.b32 t, t, 6;
+lop3.b32 $0, q12, 0x80008000, t, 0xEA;
+mul.rn.bf16x2 $0, $0, $5;
+and.b32 t, q4, 0x70007000;
+shr.b32 t, t, 6;
+lop3.b32 $1, q4, 0x80008000, t, 0xEA;
+mul.rn.bf16x2 $1, $1, $5;
+and.b32 t, q8, 0x70007000;
+shr.b32 t, t, 6;
+lop3.b32 $2, q8, 0x80008000, t, 0xEA;
+mul.rn.bf16x2 $2, $2, $5;
+and.b32 t, $4, 0x70007000;
+shr.b32 t, t, 6;
+lop3.b32 $3, $4, 0x80008000, t, 0xEA;
+mul.rn.bf16x2 $3, $3, $5;
+}
+"""
+
+_E2M1_ASM = tl.constexpr(_E2M1_ASM_TEXT)
+# Decode only (mode 2): same bit moves without the scale multiply; the kernel multiplies.
+_E2M1_ASM_NOSCALE = tl.constexpr(
+    "\n".join(line for line in _E2M1_ASM_TEXT.splitlines() if not line.startswith("mul.rn"))
+)
+
+DECODE_ARITH = 0  # per-element arithmetic decode (interpreter, and a slow fallback)
+DECODE_ASM = 1  # packed-word PTX decode with the block scale multiplied inside (default on GPU)
+DECODE_ASM_NOSCALE = 2  # packed-word PTX decode, scale multiplied by Triton code
+
+
+@triton.jit
+def _byte_perm(p):
+    """Tensor position p -> byte whose codes the asm decode puts there (bytes 0,2,1,3 per word)."""
+    r = p % 4
+    return (p - r) + ((r & 1) << 1) + (r >> 1)
+
+
+@triton.jit
+def _e2m1_arith(c):
+    """4-bit codes (int32) -> fp32 E2M1 values; the interpreter / reference-path decode."""
+    idx = c & 7
+    e = idx >> 1
+    m = (idx & 1).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.5, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * m))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _load_decode_tile(w_row_ptr, s_row_ptr, n_mask, kb0, KH, KG,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr):
+    """Load and decode one [BLOCK_N, BLOCK_K] NVFP4 weight tile starting at byte column kb0.
+
+    w_row_ptr [BLOCK_N, 1] pointers to packed rows, s_row_ptr [BLOCK_N, 1] to scale rows.
+    Returns (even, odd): bf16 [BLOCK_N, BLOCK_K/2] = value*scale*2^-8 for the even / odd K
+    elements of the bytes at positions _byte_perm(p).
+    """
+    BKH: tl.constexpr = BLOCK_K // 2
+    BKG: tl.constexpr = BLOCK_K // 16
+    offs_g = kb0 // 8 + tl.arange(0, BKG)
+    s = tl.load(s_row_ptr + offs_g[None, :], mask=n_mask & (offs_g[None, :] < KG), other=0)
+    s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (2.0 ** SCALE_BIAS_EXP)
+    s = tl.reshape(tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BLOCK_N, BKG, 8)), (BLOCK_N, BKH))
+    if DECODE == 1:
+        offs_b = kb0 + tl.arange(0, BKH)
+        q = tl.load(w_row_ptr + offs_b[None, :], mask=n_mask & (offs_b[None, :] < KH), other=0)
+        even, odd = tl.inline_asm_elementwise(
+            _E2M1_ASM, "=r,=r,=r,=r,r,r,r", [q, s],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+        )
+    elif DECODE == 2:
+        offs_b = kb0 + tl.arange(0, BKH)
+        q = tl.load(w_row_ptr + offs_b[None, :], mask=n_mask & (offs_b[None, :] < KH), other=0)
+        even, odd = tl.inline_asm_elementwise(
+            _E2M1_ASM_NOSCALE, "=r,=r,=r,=r,r", [q],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+        )
+        even = even * s
+        odd = odd * s
+    else:
+        offs_b = kb0 + _byte_perm(tl.arange(0, BKH))
+        q = tl.load(w_row_ptr + offs_b[None, :], mask=n_mask & (offs_b[None, :] < KH), other=0).to(tl.int32)
+        sf = s.to(tl.float32) * (2.0 ** -126)
+        even = (_e2m1_arith(q & 15) * sf).to(tl.bfloat16)
+        odd = (_e2m1_arith(q >> 4) * sf).to(tl.bfloat16)
+    return even, odd
+
+
+@triton.jit
+def _load_act_t(x_rows_ptr, m_mask, kb0, K, BLOCK_K: tl.constexpr):
+    """Activation columns matching _load_decode_tile: (even, odd) bf16 [BLOCK_K/2, BLOCK_M].
+
+    x_rows_ptr [1, BLOCK_M] pointers to activation rows, m_mask [1, BLOCK_M].
+    """
+    kk = 2 * (kb0 + _byte_perm(tl.arange(0, BLOCK_K // 2)))
+    km = kk[:, None] < K
+    xe = tl.load(x_rows_ptr + kk[:, None], mask=km & m_mask, other=0.0)
+    xo = tl.load(x_rows_ptr + kk[:, None] + 1, mask=km & m_mask, other=0.0)
+    return xe.to(tl.bfloat16), xo.to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_acc(a, b, acc, DECODE: tl.constexpr):
+    """acc += a @ b. The arithmetic-decode path (the CPU interpreter's) multiplies in fp32: the
+    interpreter's numpy dot has no bf16 and would multiply raw bit patterns."""
+    if DECODE == 0:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr, mask, SPLIT_K: tl.constexpr):
+    """Store acc [BLOCK_N, BLOCK_M] fp32 (already scaled) as out's dtype; with SPLIT_K > 1, add
+    into the fp32 workspace and let the last program of the tile write the output and re-zero
+    workspace and lock (so they stay zero between calls and CUDA-graph replays)."""
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+        tl.debug_barrier()
+        count = tl.atomic_add(lock_ptr, 1, sem="acq_rel")
+        if count == SPLIT_K - 1:
+            total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+            tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
+            tl.atomic_xchg(lock_ptr, 0)
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_ITERS: tl.constexpr, DECODE: tl.constexpr,
+):
+    """out [M, N] = x [M, K] @ W^T. Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)).
+
+    Computed transposed (acc [BLOCK_N, BLOCK_M] = W_tile @ x^T) so that the decoded weight is the
+    register-resident A operand and a small M only pads the MMA's narrow side.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    KH = K // 2
+    KG = K // 16
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n[:, None] < N
+    m_mask = offs_m[None, :] < M
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * KH
+    s_rows = s_ptr + offs_n[:, None].to(tl.int64) * KG
+    x_rows = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for it in range(K_ITERS):
+        kb0 = (pid_k * K_ITERS + it) * (BLOCK_K // 2)
+        we, wo = _load_decode_tile(w_rows, s_rows, n_mask, kb0, KH, KG, BLOCK_N, BLOCK_K, DECODE)
+        xe, xo = _load_act_t(x_rows, m_mask, kb0, K, BLOCK_K)
+        acc = _dot_acc(we, xe, acc, DECODE)
+        acc = _dot_acc(wo, xo, acc, DECODE)
+    acc = acc * (tl.load(gs_ptr) * (2.0 ** ACC_FIX_EXP))
+    mask = n_mask & m_mask
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    ws_ptrs = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+    tile = pid_m * tl.num_programs(0) + pid_n
+    _splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr + tile, mask, SPLIT_K)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host wrappers
+# ----------------------------------------------------------------------------------------------
+
+import functools  # noqa: E402
+import os  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+from moeserve.kernels.configs import tile_config  # noqa: E402
+
+CTAS_PER_SM_TARGET = 4  # split-K aims at this many programs per SM so HBM sees enough requests
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU interpreter: no inline PTX)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_decode() -> int:
+    return DECODE_ARITH if interpreting() else DECODE_ASM
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter: pretend an H200 so split-K paths get exercised
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass(frozen=True)
+class SplitKWorkspace:
+    """Zeroed fp32 partial sums and int32 tile counters for split-K; kernels leave them zeroed,
+    so one workspace serves any number of sequential calls (and CUDA-graph replays)."""
+
+    partial: torch.Tensor  # fp32 [capacity] >= M*N
+    locks: torch.Tensor  # int32 [tiles] >= number of output tiles
+
+    @staticmethod
+    def create(max_elems: int, max_tiles: int, device: torch.device | str) -> SplitKWorkspace:
+        return SplitKWorkspace(
+            torch.zeros(max_elems, dtype=torch.float32, device=device),
+            torch.zeros(max_tiles, dtype=torch.int32, device=device),
+        )
+
+
+def choose_split_k(cfg_split: int, tiles: int, k_tiles: int, device: torch.device) -> int:
+    """Config value if > 0, else enough K-splits to reach CTAS_PER_SM_TARGET programs per SM
+    (each split keeping >= 2 K-iterations)."""
+    if cfg_split > 0:
+        return max(1, min(cfg_split, k_tiles))
+    want = -(-CTAS_PER_SM_TARGET * sm_count(device) // max(tiles, 1))
+    return max(1, min(want, k_tiles // 2))
+
+
+def _as_scalar_tensor(v: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(v, dtype=torch.float32, device=device).reshape(1)
+    return t
+
+
+def nvfp4_gemm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor | float,
+    out: torch.Tensor | None = None,
+    workspace: SplitKWorkspace | None = None,
+    config: dict[str, int] | None = None,
+    decode: int | None = None,
+) -> torch.Tensor:
+    """W4A16 GEMM: x [M, K] bf16 @ dequant(W [N, K])^T -> out [M, N] bf16 (fp32 accumulate).
+
+    packed uint8 [N, K/2], scale float8_e4m3fn [N, K/16], global_scale fp32 scalar (a device
+    tensor keeps it CUDA-graph safe). `workspace` (SplitKWorkspace) is needed for graph capture
+    when the chosen config splits K; without it a zeroed one is allocated per call.
+    """
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [M, K] with unit stride along K, got {tuple(x.shape)}")
+    m, k = x.shape
+    n = packed.shape[0]
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (n, k // 2) or not packed.is_contiguous():
+        raise ValueError(f"packed must be contiguous uint8 [N, {k // 2}], got {packed.dtype} {tuple(packed.shape)}")
+    if k % NVFP4_BLOCK or tuple(scale.shape) != (n, k // NVFP4_BLOCK) or not scale.is_contiguous():
+        raise ValueError(f"scale must be contiguous [N, K/16] = {(n, k // 16)}, got {tuple(scale.shape)}")
+    if scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"scale must be float8_e4m3fn, got {scale.dtype}")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (m, n) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] with unit stride, got {tuple(out.shape)}")
+    if m == 0:
+        return out
+    cfg = config or tile_config("nvfp4_gemm", m, f"{n}x{k}")
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    grid_n, grid_m = triton.cdiv(n, bn), triton.cdiv(m, bm)
+    k_tiles = triton.cdiv(k, bk)
+    split = choose_split_k(cfg["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
+    k_iters = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, k_iters)
+    if split > 1:
+        if workspace is None:
+            workspace = SplitKWorkspace.create(m * n, grid_n * grid_m, x.device)
+        if workspace.partial.numel() < m * n or workspace.locks.numel() < grid_n * grid_m:
+            raise ValueError("split-K workspace too small for this GEMM")
+        ws, locks = workspace.partial, workspace.locks
+    else:
+        ws, locks = out, out  # unused
+    gs = _as_scalar_tensor(global_scale, x.device)
+    _nvfp4_gemm_kernel[(grid_n, split, grid_m)](
+        x, packed, scale.view(torch.uint8), gs, out, ws, locks,
+        m, n, k, x.stride(0), out.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, K_ITERS=k_iters,
+        DECODE=default_decode() if decode is None else decode,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

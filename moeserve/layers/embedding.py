@@ -1,0 +1,48 @@
+"""Vocab-parallel embedding and LM head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.dist.parallel import SINGLE, TPGroup
+from moeserve.layers.quant.base import make_param
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the vocabulary split over ranks; out-of-range ids contribute zeros."""
+
+    def __init__(
+        self, vocab_size: int, hidden: int, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.per_rank
+        self.weight = make_param(torch.empty(self.per_rank, hidden, dtype=dtype), 0, None)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, w: torch.Tensor, shard_id: object = None) -> None:
+        rows = w[self.start : self.start + self.per_rank]
+        param.data[: rows.shape[0]].copy_(rows)
+        param.data[rows.shape[0] :].zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        valid = (local >= 0) & (local < self.per_rank)
+        out = F.embedding(local.clamp(0, self.per_rank - 1), self.weight)
+        out = out * valid.unsqueeze(-1).to(out.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = h W^T over this rank's vocab slice, gathered to the full vocabulary (fp32)."""
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight).float()
+        logits = self.tp.all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size]

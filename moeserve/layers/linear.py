@@ -1,0 +1,169 @@
+"""Linear layers with tensor-parallel slicing and per-parameter weight loaders.
+
+The quant method creates a layer's parameters; the layer attaches `weight_loader`, which
+knows this rank's slice and, for fused layers (q/k/v, gate/up), where each checkpoint shard
+goes. The loader only maps checkpoint names to (parameter, shard id).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve.dist.parallel import SINGLE, TPGroup
+from moeserve.layers.quant.base import NoQuant, QuantConfig, make_param
+
+ShardId = str | int | None
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b), W's logical shape [output_size, input_size] (full, unsharded)."""
+
+    split_output = False
+    split_input = False
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool = False,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+        tp: TPGroup = SINGLE,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.prefix = prefix
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.output_size = sum(output_sizes)
+        self.local_input = tp.shard(input_size) if self.split_input else input_size
+        self.local_outputs = self._local_output_sizes()
+        self.local_output = sum(self.local_outputs)
+        self.method = (quant or NoQuant()).linear_method(prefix)
+        self.method.create_weights(self, self.local_input, self.local_output, dtype)
+        if bias:
+            self.bias = make_param(torch.zeros(self.local_output, dtype=dtype), 0, None)
+        else:
+            self.bias = None
+        for p in self.parameters(recurse=False):
+            p.weight_loader = self.weight_loader
+
+    # ---- sharding ------------------------------------------------------------------------
+    def _local_output_sizes(self) -> list[int]:
+        if not self.split_output:
+            return self.output_sizes
+        return [self.tp.shard(n) for n in self.output_sizes]
+
+    def _shard_index(self, shard_id: ShardId) -> int:
+        if shard_id is None:
+            return 0
+        return int(shard_id)
+
+    def _source_chunk(self, shard_id: ShardId) -> tuple[int, int]:
+        """Which of how many equal chunks of the checkpoint tensor (along outputs) is ours."""
+        return (self.tp.rank, self.tp.size) if self.split_output else (0, 1)
+
+    def weight_loader(self, param: nn.Parameter, w: torch.Tensor, shard_id: ShardId = None) -> None:
+        i = self._shard_index(shard_id)
+        if getattr(param, "per_shard", False):  # one value per fused shard (e.g. FP4 global)
+            param.data[i].copy_(w.reshape(()))
+            return
+        if param.output_dim is None and param.input_dim is None:
+            param.data.copy_(w.reshape(param.shape))
+            return
+        if param.output_dim is not None:
+            d = param.output_dim
+            idx, cnt = self._source_chunk(shard_id)
+            n = w.shape[d] // cnt
+            w = w.narrow(d, idx * n, n)
+            offset = sum(self.local_outputs[:i]) // param.output_block
+            dst = param.data.narrow(d, offset, w.shape[d])
+        else:
+            dst = param.data
+        if self.split_input and param.input_dim is not None:
+            d = param.input_dim
+            n = w.shape[d] // self.tp.size
+            w = w.narrow(d, self.tp.rank * n, n)
+        if dst.shape != w.shape:
+            raise ValueError(
+                f"{self.prefix}: checkpoint tensor {tuple(w.shape)} does not fit {tuple(dst.shape)}"
+            )
+        dst.copy_(w)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    # ---- compute -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.method.apply(self, x)
+        if self.split_input:
+            y = self.tp.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class ReplicatedLinear(LinearBase):
+    """Full weight on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, **kw) -> None:
+        super().__init__(input_size, [output_size], **kw)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Outputs split over ranks; no communication."""
+
+    split_output = True
+
+    def __init__(self, input_size: int, output_size: int, **kw) -> None:
+        super().__init__(input_size, [output_size], **kw)
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel layers fused along outputs (gate+up): shard ids 0, 1, ..."""
+
+    split_output = True
+
+
+class RowParallelLinear(LinearBase):
+    """Inputs split over ranks; outputs all-reduced."""
+
+    split_input = True
+
+    def __init__(self, input_size: int, output_size: int, **kw) -> None:
+        super().__init__(input_size, [output_size], **kw)
+
+
+class QKVParallelLinear(LinearBase):
+    """q, k, v fused; shard ids "q", "k", "v". KV heads are replicated when tp > kv heads."""
+
+    split_output = True
+    _ORDER = {"q": 0, "k": 1, "v": 2}
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, **kw
+    ) -> None:
+        tp: TPGroup = kw.get("tp", SINGLE)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.head_dim = head_dim
+        super().__init__(hidden_size, sizes, **kw)
+
+    def _local_output_sizes(self) -> list[int]:
+        tp = self.tp
+        local_kv = max(1, self.num_kv_heads // tp.size) * self.head_dim
+        return [tp.shard(self.num_heads) * self.head_dim, local_kv, local_kv]
+
+    def _shard_index(self, shard_id: ShardId) -> int:
+        return self._ORDER[shard_id] if isinstance(shard_id, str) else int(shard_id or 0)
+
+    def _source_chunk(self, shard_id: ShardId) -> tuple[int, int]:
+        if self._shard_index(shard_id) == 0:
+            return self.tp.rank, self.tp.size
+        chunks = self.tp.size // self.kv_replicas
+        return self.tp.rank // self.kv_replicas, chunks

@@ -1,0 +1,32 @@
+"""RMSNorm (optionally fused with the residual add)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve.layers.quant.base import make_param
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = make_param(torch.ones(size, dtype=dtype), None, None)
+        self.weight.weight_loader = _copy_loader
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm(x), or with `residual`: (RMSNorm(x + residual), x + residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = xf.to(x.dtype) * self.weight
+        return y if residual is None else (y, residual)
+
+
+def _copy_loader(param: nn.Parameter, w: torch.Tensor, shard_id: object = None) -> None:
+    param.data.copy_(w.reshape(param.shape))

@@ -1,0 +1,85 @@
+"""Quantization methods: how a layer's weights are created, loaded and applied.
+
+Adding a checkpoint format = a `QuantConfig` (which method for which layer, from the
+checkpoint's own description) + a `LinearMethod`/`MoEMethod`; model code never changes.
+
+Parameter contract: every parameter a method creates carries
+  - `weight_loader(param, tensor, shard_id=None)` (set by the owning layer), and
+  - `output_dim` / `input_dim`: which axes are split by tensor parallelism (None: replicated),
+  - `output_block` / `input_block`: how many logical rows/cols one stored row/col covers
+    (1 for plain weights and per-16 FP4 scales along K use `input_block=16`; packed FP4
+    codes use `input_block=2`; block-FP8 scales use 128 on both).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+
+def make_param(
+    data: torch.Tensor,
+    output_dim: int | None = 0,
+    input_dim: int | None = 1,
+    output_block: int = 1,
+    input_block: int = 1,
+) -> nn.Parameter:
+    """A frozen parameter annotated with how tensor parallelism and shards slice it."""
+    p = nn.Parameter(data, requires_grad=False)
+    p.output_dim = output_dim
+    p.input_dim = input_dim
+    p.output_block = output_block
+    p.input_block = input_block
+    return p
+
+
+class LinearMethod(ABC):
+    """Creates and applies the weights of one linear layer y = x W^T (+ b)."""
+
+    @abstractmethod
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
+    ) -> None:
+        """Register parameters on `layer` for this rank's [output_size, input_size] slice."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [T, input_size] -> [T, output_size] (no bias)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack loaded weights for the kernels of this device (optional)."""
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Dense weights in the model dtype."""
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
+    ) -> None:
+        layer.weight = make_param(torch.empty(output_size, input_size, dtype=dtype))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, layer.weight)
+
+
+class QuantConfig(ABC):
+    """A checkpoint's quantization scheme: picks a method for each layer by its name."""
+
+    name: str = "none"
+
+    @abstractmethod
+    def linear_method(self, prefix: str) -> LinearMethod:
+        """The method for the linear layer called `prefix` in the checkpoint."""
+
+    def moe_method(self, prefix: str) -> object | None:
+        """The method for the routed experts under `prefix` (None: unquantized)."""
+        return None
+
+
+class NoQuant(QuantConfig):
+    name = "none"
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        return UnquantizedLinearMethod()

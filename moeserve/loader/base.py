@@ -1,0 +1,24 @@
+"""What a loader returns: the model with its weights, its tokenizer and its description."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.tokenizer.base import Tokenizer
+
+
+class LoadError(ValueError):
+    """A model path or checkpoint that cannot be loaded (one clear sentence)."""
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # implements the model contract (see models/llama.py)
+    tokenizer: Tokenizer
+    config: ModelConfig
+    kv_cache_dtype: torch.dtype  # what the runner allocates the paged cache in
+    description: str  # one line for the start-up banner: format, quantization, dtype

@@ -1,0 +1,173 @@
+"""Llama-family decoder (GQA attention, RoPE, RMSNorm, SwiGLU) over the paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.dist.parallel import SINGLE, TPGroup
+from moeserve.layers.attention.metadata import ForwardContext
+from moeserve.layers.attention.mha import PagedAttention
+from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from moeserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.quant.base import QuantConfig
+from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.models.weights import finish_loading, load_weights_by_rules
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, prefix: str, quant: QuantConfig | None, tp: TPGroup, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.num_heads = tp.shard(cfg.num_attention_heads)
+        self.num_kv_heads = max(1, cfg.num_key_value_heads // tp.size)
+        self.head_dim = d
+        kw = dict(quant=quant, tp=tp, dtype=dtype)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
+            bias=cfg.attention_bias, prefix=f"{prefix}.qkv_proj", **kw,
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, prefix=f"{prefix}.o_proj", **kw
+        )
+        self.rotary = RotaryEmbedding(
+            d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, ctx)
+        return self.o_proj(o.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, prefix: str, quant: QuantConfig | None, tp: TPGroup, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        kw = dict(quant=quant, tp=tp, dtype=dtype)
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [i, i], prefix=f"{prefix}.gate_up_proj", **kw
+        )
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, prefix=f"{prefix}.down_proj", **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, prefix: str, quant: QuantConfig | None, tp: TPGroup, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, f"{prefix}.self_attn", quant, tp, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", quant, tp, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, quant: QuantConfig | None, tp: TPGroup, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, f"model.layers.{i}", quant, tp, dtype)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, residual = self.embed_tokens(ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Model contract (used by the runner; every model class implements it):
+
+    - `forward(input_ids [T], positions [T], ctx) -> hidden [T, H]`
+    - `compute_logits(hidden [N, H]) -> [N, vocab] fp32`
+    - `load_weights(iterable of (HF checkpoint name, tensor)) -> set of loaded param names`
+    - `attention_layers() -> list` of modules with `kv_cache_bytes_per_token(dtype)` and
+      `bind_kv_cache(num_pages, page_size, dtype, device)`.
+    """
+
+    STACKED = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        quant: QuantConfig | None = None,
+        tp: TPGroup = SINGLE,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, quant, tp, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def rename(name: str) -> str | None:
+            if "rotary_emb.inv_freq" in name:
+                return None
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                return None
+            return name
+
+        loaded = load_weights_by_rules(self, weights, self.STACKED, rename)
+        finish_loading(self)
+        return loaded
