@@ -251,6 +251,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     memory_fraction: float = 0.9  # GPU: share of free memory the KV cache may take
     cpu_memory_fraction: float = 0.25  # CPU: share of available RAM the KV cache may take
+    cpu_max_kv_gib: float = 2.0  # CPU: and at most this much
 
 
 @dataclass(frozen=True)

@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
-from typing import NoReturn
 
-from moeserve.bench.cli import EXIT_USAGE, add_bench_arguments, run_bench
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse that reports a bad argument in one line (no usage dump), exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+from moeserve.bench.cli import OneLineErrorParser, add_bench_arguments, run_bench
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from moeserve.bench import datasets, metrics, report, serving
 from moeserve.bench.datasets import DatasetError, Sample
@@ -36,10 +36,19 @@ SCENARIO_CONCURRENCY = 1
 SWEEP_PARAMS = ("concurrency", "rate")
 EXIT_USAGE = 2
 EXIT_RUN_FAILED = 1
+EXIT_INTERRUPTED = 130  # the shell's code for SIGINT
 
 
 class UsageError(ValueError):
     """Bad command-line input (one line, exit code 2)."""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (no usage dump), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -248,6 +257,9 @@ def make_plan(args: argparse.Namespace, log: Callable[[str], None] = print) -> P
         raise UsageError("--temperature must be 0 or more")
     if args.tokenizer is not None and not Path(args.tokenizer).is_file():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such file")
+    for opt, out in (("--save-result", args.save_result), ("--plot", args.plot)):
+        if out is not None and not Path(out).resolve().parent.is_dir():
+            raise UsageError(f"{opt} {out}: the folder does not exist")
     percentiles = _parse_percentiles(args.percentiles)
     try:
         slo = metrics.parse_slo(args.slo) if args.slo else None
@@ -485,6 +497,9 @@ def run_bench(args: argparse.Namespace) -> int:
     except BenchError as exc:
         err(str(exc))
         return EXIT_RUN_FAILED
+    except KeyboardInterrupt:
+        err("interrupted; no results written")
+        return EXIT_INTERRUPTED
     values: list[float | None] = list(plan.sweep_values) or [None]
     runs = zip(plan.loads, points, values, strict=True)
     results = [build_result(plan, client, load, pt, v) for load, pt, v in runs]

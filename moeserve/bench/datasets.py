@@ -60,6 +60,8 @@ JSON_READ_CHUNK_CHARS = 1 << 20
 # A decode error this close to the end of a cut-off file is the cut (a literal, number or
 # escape sequence broken off), not a syntax error.
 CUT_TAIL_CHARS = 16
+# How many later token boundaries `TokenCounter.cut` tries for an exact prompt length.
+CUT_SEARCH_TOKENS = 8
 
 
 class DatasetError(ValueError):
@@ -100,17 +102,27 @@ class TokenCounter:
         return max(1, math.ceil(len(text) / CHARS_PER_TOKEN_ESTIMATE))
 
     def cut(self, text: str, n_tokens: int) -> str:
-        """The longest prefix of `text` holding exactly n_tokens tokens (needs a tokenizer)."""
+        """A prefix of `text` that re-encodes to exactly n_tokens tokens (needs a tokenizer).
+
+        Cutting at the end offset of token n can re-merge differently (a word cut in two
+        encodes in fewer pieces), so nearby cut points are tried until the count is exact;
+        the closest one is returned if none is (the caller records the real count).
+        """
         assert self._tok is not None
         enc = self._tok.encode(text, add_special_tokens=False)
         if len(enc.ids) < n_tokens:
             raise DatasetError(f"text too short to cut {n_tokens} tokens")
-        prefix = text[: enc.offsets[n_tokens - 1][1]]
-        # Re-encoding a prefix can merge differently at the cut; trim word by word until
-        # the count is exact (it almost always is at once, cuts fall on word ends).
-        while self.count(prefix) > n_tokens and " " in prefix:
-            prefix = prefix.rsplit(" ", 1)[0]
-        return prefix
+        best, best_err = "", n_tokens
+        for k in range(n_tokens, min(len(enc.ids), n_tokens + CUT_SEARCH_TOKENS) + 1):
+            prefix = text[: enc.offsets[k - 1][1]]
+            err = self.count(prefix) - n_tokens
+            if err == 0:
+                return prefix
+            if abs(err) < abs(best_err):
+                best, best_err = prefix, err
+            if err > 0:
+                break  # later cuts only hold more tokens
+        return best
 
 
 # -- random ---------------------------------------------------------------------------------
@@ -148,7 +160,8 @@ def random_samples(
             prompt = counter.cut(text, n_in)
         else:
             prompt = " ".join(rng.choice(WORDS) for _ in range(n_in))
-        samples.append(Sample(prompt, n_in, n_out))
+        # With a tokenizer the cut is exact but for rare re-merges; count what was built.
+        samples.append(Sample(prompt, counter.count(prompt) if counter.exact else n_in, n_out))
     return samples
 
 
@@ -296,6 +309,8 @@ def sharegpt_samples(
     for conv in convs:
         turns = conv.get("conversations") if isinstance(conv, dict) else None
         if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        if not all(isinstance(t, dict) for t in turns[:2]):
             continue
         prompt, reply = turns[0].get("value"), turns[1].get("value")
         if not isinstance(prompt, str) or not isinstance(reply, str):

@@ -26,6 +26,9 @@ PEAK_RATE_BUCKET_S = 1.0
 SLO_NAMES = ("ttft", "tpot", "e2e")
 SLO_ALIASES = {"e2el": "e2e"}
 NO_CONTENT_ERROR = "stream carried no content"
+# usage.completion_tokens counts the final EOS (or stop-string) token, which streams no
+# text: one token more than content chunks is the normal case, not bundling.
+UNSTREAMED_FINAL_TOKENS = 1
 
 
 @dataclass(frozen=True)
@@ -91,14 +94,31 @@ def request_metrics(rec: RequestRecord) -> RequestMetrics:
     usage_missing = rec.usage_completion_tokens is None
     output_tokens = len(rec.chunk_times) if usage_missing else int(rec.usage_completion_tokens)
     if reason is not None:
-        return RequestMetrics(False, reason, input_tokens, 0, None, (), None, None, usage_missing)
+        return RequestMetrics(
+            success=False,
+            error=reason,
+            input_tokens=input_tokens,
+            output_tokens=0,
+            ttft=None,
+            itls=(),
+            tpot=None,
+            e2el=None,
+            usage_missing=usage_missing,
+        )
     ttft = rec.chunk_times[0] - rec.start
     e2el = rec.end - rec.start
-    itls = tuple(b - a for a, b in pairwise(rec.chunk_times))
     tpot = (e2el - ttft) / (output_tokens - 1) if output_tokens > 1 else None
-    diff = 0 if usage_missing else output_tokens - len(rec.chunk_times)
     return RequestMetrics(
-        True, None, input_tokens, output_tokens, ttft, itls, tpot, e2el, usage_missing, diff
+        success=True,
+        error=None,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        ttft=ttft,
+        itls=tuple(b - a for a, b in pairwise(rec.chunk_times)),
+        tpot=tpot,
+        e2el=e2el,
+        usage_missing=usage_missing,
+        usage_vs_chunks=0 if usage_missing else output_tokens - len(rec.chunk_times),
     )
 
 
@@ -254,6 +274,8 @@ def summarize(
         "total_token_throughput": (total_in + total_out) / duration_s,
         "max_output_tokens_per_s": peak_output_rate(measured),
         "max_concurrent_requests": peak_concurrency(measured),
+        # Average number in flight (SGLang's "concurrency"): successful E2E time / duration.
+        "mean_concurrency": math.fsum(e2els) / duration_s,
         "mean_output_throughput_per_user": (math.fsum(per_user) / len(per_user))
         if per_user
         else None,
@@ -270,7 +292,7 @@ def summarize(
     result["usage_warnings"] = {
         "missing": sum(m.usage_missing for m in ok),
         "fewer_than_chunks": sum(m.usage_vs_chunks < 0 for m in ok),
-        "more_than_chunks": sum(m.usage_vs_chunks > 0 for m in ok),
+        "more_than_chunks": sum(m.usage_vs_chunks > UNSTREAMED_FINAL_TOKENS for m in ok),
     }
     # Per-request arrays (vLLM's names first, then ours); failed requests keep their slot.
     result["input_lens"] = [m.input_tokens for m in per]

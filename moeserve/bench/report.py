@@ -194,6 +194,7 @@ def plot(
     (ax_tpot, ax_ttft), (ax_hist_ttft, ax_hist_itl) = axes
     xs = [r["output_throughput"] for r in results]
     labels = [str(r.get(label_key, "")) for r in results]
+    legends = [r.get("sweep_point") or lab or None for r, lab in zip(results, labels, strict=True)]
 
     def curve(ax: Any, keys: Sequence[tuple[str, str]], ylabel: str, title: str) -> None:
         for key, name in keys:
@@ -224,19 +225,26 @@ def plot(
         "ms",
         "TTFT vs throughput",
     )
-    for r, lab in zip(results, labels, strict=True):
-        ttfts = [t * 1000.0 for t in r.get("ttfts", []) if t is not None]
-        itls = [g * 1000.0 for gaps in r.get("itls", []) for g in gaps]
-        if ttfts:
-            ax_hist_ttft.hist(ttfts, bins=HIST_BINS, histtype="step", label=lab or None)
-        if itls:
-            ax_hist_itl.hist(itls, bins=HIST_BINS, histtype="step", label=lab or None)
+    ttfts = [[t * 1000.0 for t in r.get("ttfts", []) if t is not None] for r in results]
+    itls = [[g * 1000.0 for gaps in r.get("itls", []) for g in gaps] for r in results]
+    for ax, series in ((ax_hist_ttft, ttfts), (ax_hist_itl, itls)):
+        everything = [v for s in series for v in s]
+        if not everything:
+            continue
+        # One set of bins for all runs, so the distributions compare bar by bar.
+        lo, hi = min(everything), max(everything)
+        bins = (
+            [lo + (hi - lo) * i / HIST_BINS for i in range(HIST_BINS + 1)] if hi > lo else HIST_BINS
+        )
+        for s, legend in zip(series, legends, strict=True):
+            if s:
+                ax.hist(s, bins=bins, histtype="step", label=legend)
     for ax, name in ((ax_hist_ttft, "TTFT"), (ax_hist_itl, "ITL")):
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("count")
         ax.set_title(f"{name} distribution")
         ax.grid(alpha=0.3)
-        if any(labels):
+        if any(legends) and ax.has_data():
             ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI)

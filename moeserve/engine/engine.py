@@ -220,7 +220,10 @@ def _auto_num_pages(config: EngineConfig, bytes_per_token: int) -> int:
         free, _ = torch.cuda.mem_get_info(torch.device(config.device))
         budget = int(free * config.cache.memory_fraction)
     else:
-        budget = int(_available_ram() * config.cache.cpu_memory_fraction)
+        budget = int(
+            min(_available_ram() * config.cache.cpu_memory_fraction,
+                config.cache.cpu_max_kv_gib * (1 << 30))
+        )
     pages = min(-(-want_tokens // page), max(1, budget // max(1, bytes_per_token * page)))
     return max(pages, 1)
 

@@ -35,7 +35,7 @@ def _write_mla_cache_kernel(
     stride_pe,
     stride_kv_page,
     stride_kv_tok,
-    PAGE_SIZE: tl.constexpr,
+    page_size,  # runtime: any page size >= 1 (value 1 gets its own specialisation)
     D_LAT: tl.constexpr,
     D_ROPE: tl.constexpr,
     QUANT: tl.constexpr,
@@ -45,7 +45,7 @@ def _write_mla_cache_kernel(
     slot = tl.load(slot_ptr + t)
     valid = slot >= 0
     safe = tl.where(valid, slot, 0)
-    row = kv_ptr + (safe // PAGE_SIZE) * stride_kv_page + (safe % PAGE_SIZE) * stride_kv_tok
+    row = kv_ptr + (safe // page_size) * stride_kv_page + (safe % page_size) * stride_kv_tok
     offs_d = tl.arange(0, D_LAT)
     offs_r = tl.arange(0, D_ROPE)
     c = tl.load(c_ptr + t.to(tl.int64) * stride_c + offs_d).to(tl.float32)
@@ -102,7 +102,7 @@ def write_mla_cache(
         k_pe.stride(0),
         kv_cache.stride(0),
         kv_cache.stride(1),
-        PAGE_SIZE=kv_cache.shape[1],
+        kv_cache.shape[1],
         D_LAT=KV_LORA_RANK,
         D_ROPE=ROPE_DIM,
         QUANT=quant,

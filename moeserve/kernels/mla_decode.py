@@ -13,7 +13,8 @@ Layouts (DeepSeek-V3 / Kimi-K2.5: kv_lora_rank 512, qk_rope_head_dim 64):
 - ``seq_lens``     ``[B]`` int32, tokens in the cache per sequence (may differ; 0 -> zeros).
 - ``out``          ``[B, H, 512]`` preallocated, last dim contiguous; written, also returned.
 
-``page_size`` must be a power of two >= 1 (the kernel splits token ids with shifts/masks).
+``page_size`` may be any value >= 1 (token -> page is a runtime division; page size 1
+compiles its own specialisation). 64 is what the benchmark measures and recommends.
 
 Algorithm: stage 1 runs one program per (sequence, KV split, head group). It walks its
 token range in tiles of ``BLOCK_N`` tokens; each tile is gathered through the block table
@@ -50,7 +51,13 @@ FP8_E4M3_MAX = 448.0
 # SMs of an H100/H200; the split heuristic aims at a few waves of CTAs on such a GPU.
 _DEFAULT_SM_COUNT = 132
 # Each split should still stream enough KV to amortise its partial write and merge.
-_MIN_TOKENS_PER_SPLIT = 256
+_MIN_TOKENS_PER_SPLIT = 128
+# The merge reads CHUNK partials of D_BLOCK values at a time (bounded registers for any
+# split count); D_BLOCK also multiplies its grid, which matters at batch 1.
+_MERGE_CHUNK = 16
+_MERGE_D_BLOCK = 128
+# Upper bound of num_splits: the merge keeps all split lse values of a head in registers.
+MAX_SPLITS = 1024
 
 
 @dataclass(frozen=True)
@@ -58,11 +65,17 @@ class MLADecodeConfig:
     """Launch parameters of the split kernel (tuned on H200, see benchmarks/kernels_mla.py)."""
 
     block_h: int = 64  # heads per program; >= 16 (tl.dot minimum), power of two
-    block_n: int = 32  # tokens per KV tile, power of two >= 16
+    block_n: int = 64  # tokens per KV tile, power of two >= 16
     num_warps: int = 8
     num_stages: int = 2
     # FP8 cache only, experimental: q @ k^T on FP8 tensor cores with q quantised per head.
     fp8_qk: bool = False
+    # 1 or 2: programs sharing one KV tile, each accumulating 512 / vsplit value columns.
+    # 2 halves the accumulator (so one warpgroup can own all 64 head rows) at the price
+    # of computing q @ k^T twice; the second read of the tile comes from L2.
+    vsplit: int = 1
+    # CTAs of this config resident per SM (sets the split heuristic's wave size).
+    ctas_per_sm: int = 1
 
 
 DEFAULT_CONFIG = MLADecodeConfig()
@@ -72,9 +85,11 @@ DEFAULT_CONFIG = MLADecodeConfig()
 class MLADecodeWorkspace:
     """Static split-KV scratch (partial outputs and their log2-sum-exp) for CUDA graphs.
 
-    ``partial_out`` is ``[max_batch, heads, max_splits, 512]`` fp32 and ``partial_lse``
+    ``partial_out`` is ``[max_batch, heads, max_splits, 512]`` and ``partial_lse``
     ``[max_batch, heads, max_splits]`` fp32. Any batch <= max_batch and num_splits <=
-    max_splits can use it.
+    max_splits can use it. Partials default to bf16: each is already normalised (O(1)
+    values), so bf16 adds at most one bf16 rounding to a bf16 output while halving the
+    partial traffic, which at batch 1 is comparable to the cache bytes themselves.
     """
 
     partial_out: torch.Tensor
@@ -82,10 +97,15 @@ class MLADecodeWorkspace:
 
     @classmethod
     def allocate(
-        cls, max_batch: int, num_heads: int, max_splits: int, device: torch.device | str
+        cls,
+        max_batch: int,
+        num_heads: int,
+        max_splits: int,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> MLADecodeWorkspace:
         po = torch.empty(
-            (max_batch, num_heads, max_splits, KV_LORA_RANK), dtype=torch.float32, device=device
+            (max_batch, num_heads, max_splits, KV_LORA_RANK), dtype=dtype, device=device
         )
         pl = torch.empty((max_batch, num_heads, max_splits), dtype=torch.float32, device=device)
         return cls(po, pl)
@@ -95,6 +115,12 @@ class MLADecodeWorkspace:
         return self.partial_out.shape[2]
 
 
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SM_COUNT
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def default_num_splits(
     batch: int,
     num_heads: int,
@@ -102,14 +128,17 @@ def default_num_splits(
     config: MLADecodeConfig = DEFAULT_CONFIG,
     sm_count: int = _DEFAULT_SM_COUNT,
 ) -> int:
-    """Splits so that batch * head_groups * splits fills ~2 waves of SMs.
+    """Splits so that batch * head_groups * vsplit * splits is at most one full wave.
 
+    Measured on H200 (benchmarks/results/kernels_mla.json): one CTA per SM is resident,
+    the best split count fills exactly one wave, and a few CTAs more than a wave double the
+    time (a second, nearly empty wave), so round down. Splits keep >= 128 tokens each.
     Depends only on static sizes (``max_context`` = block_tables capacity), so it is the
     same for every replay of a captured graph.
     """
     head_groups = triton.cdiv(num_heads, config.block_h)
-    programs = batch * head_groups
-    want = triton.cdiv(2 * sm_count, programs)
+    programs = batch * head_groups * config.vsplit
+    want = max(1, (config.ctas_per_sm * sm_count) // programs)
     by_length = max(1, max_context // _MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, by_length))
 
@@ -130,6 +159,7 @@ def _mla_decode_split_kernel(
     stride_qh,
     stride_kv_page,
     stride_kv_tok,
+    page_size,  # runtime: any page size >= 1 (value 1 gets its own specialisation)
     stride_btb,
     stride_ob,
     stride_oh,
@@ -138,20 +168,26 @@ def _mla_decode_split_kernel(
     stride_pos,
     stride_plb,
     stride_plh,
-    PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_LAT: tl.constexpr,
     D_ROPE: tl.constexpr,
+    VSPLIT: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
     FP8_QK: tl.constexpr,
     FP8_MAX: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    # Grid: (head_groups * VSPLIT, splits, batch). The VSPLIT programs of one (group,
+    # split) are adjacent in launch order, so the second one's KV reads hit L2.
+    pid0 = tl.program_id(0)
     split = tl.program_id(1)
-    hg = tl.program_id(2)
+    b = tl.program_id(2)
     num_splits = tl.num_programs(1)  # runtime, so changing it does not recompile
+    hg = pid0 // VSPLIT
+    vpart = pid0 % VSPLIT
+    D_V: tl.constexpr = D_LAT // VSPLIT  # value columns this program accumulates
 
     seq_len = tl.load(seq_lens_ptr + b)
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
@@ -161,13 +197,19 @@ def _mla_decode_split_kernel(
 
     offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
-    offs_d = tl.arange(0, D_LAT)
+    # Latent columns in "own value slice first" order: the QK product is a sum over
+    # columns, so the order is free, and the own slice is then reused as V.
+    offs_own = vpart * D_V + tl.arange(0, D_V)
+    if VSPLIT > 1:
+        offs_oth = (vpart * D_V + D_V + tl.arange(0, D_LAT - D_V)) % D_LAT
     offs_r = tl.arange(0, D_ROPE)
     offs_n = tl.arange(0, BLOCK_N)
 
     q_row = q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
-    q_lat = tl.load(q_row + offs_d[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
-    q_pe = tl.load(q_row + D_LAT + offs_r[None, :], mask=mask_h[:, None], other=0.0).to(tl.float32)
+    q_own = tl.load(q_row + offs_own[None, :], mask=mask_h[:, None], other=0.0)
+    q_pe = tl.load(q_row + D_LAT + offs_r[None, :], mask=mask_h[:, None], other=0.0)
+    if VSPLIT > 1:
+        q_oth = tl.load(q_row + offs_oth[None, :], mask=mask_h[:, None], other=0.0)
 
     if HAS_SCALE:
         kv_scale = tl.load(scale_ptr).to(tl.float32)
@@ -176,39 +218,62 @@ def _mla_decode_split_kernel(
     if FP8_QK:
         # Experimental: q quantised per head to e4m3 so q @ k^T runs on FP8 tensor cores
         # straight from the cached bytes; p @ v stays bf16. Costs accuracy (~e4m3 q).
-        q_amax = tl.maximum(tl.max(tl.abs(q_lat), axis=1), tl.max(tl.abs(q_pe), axis=1))
+        q_own = q_own.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+        q_amax = tl.maximum(tl.max(tl.abs(q_own), axis=1), tl.max(tl.abs(q_pe), axis=1))
+        if VSPLIT > 1:
+            q_oth = q_oth.to(tl.float32)
+            q_amax = tl.maximum(q_amax, tl.max(tl.abs(q_oth), axis=1))
         q_deq = tl.where(q_amax > 0.0, q_amax / FP8_MAX, 1.0)
-        q_lat_op = (q_lat / q_deq[:, None]).to(kv_ptr.dtype.element_ty)
-        q_pe_op = (q_pe / q_deq[:, None]).to(kv_ptr.dtype.element_ty)
+        q_own = (q_own / q_deq[:, None]).to(kv_ptr.dtype.element_ty)
+        q_pe = (q_pe / q_deq[:, None]).to(kv_ptr.dtype.element_ty)
+        if VSPLIT > 1:
+            q_oth = (q_oth / q_deq[:, None]).to(kv_ptr.dtype.element_ty)
         row_scale = q_deq * (qk_scale * kv_scale)
     else:
-        q_lat_op = q_lat.to(tl.bfloat16)
-        q_pe_op = q_pe.to(tl.bfloat16)
+        q_own = q_own.to(tl.bfloat16)
+        q_pe = q_pe.to(tl.bfloat16)
+        if VSPLIT > 1:
+            q_oth = q_oth.to(tl.bfloat16)
         row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * (qk_scale * kv_scale)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_V], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
 
     for tile in range(tile_lo, tile_hi):
         tok = tile * BLOCK_N + offs_n
         mask_n = tok < seq_len
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=mask_n, other=0)
-        row = page.to(tl.int64) * stride_kv_page + (tok % PAGE_SIZE) * stride_kv_tok
-        k_lat = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        if TILE_IN_PAGE:
+            # page_size % BLOCK_N == 0: one page per tile, a scalar lookup and provably
+            # consecutive rows (simpler address math for the compiler's pipelining).
+            start = tile * BLOCK_N
+            page = tl.load(bt_row + start // page_size)
+            row = page.to(tl.int64) * stride_kv_page + (start % page_size + offs_n) * stride_kv_tok
+        else:
+            page = tl.load(bt_row + tok // page_size, mask=mask_n, other=0)
+            row = page.to(tl.int64) * stride_kv_page + (tok % page_size) * stride_kv_tok
+        k_own = tl.load(kv_ptr + row[:, None] + offs_own[None, :], mask=mask_n[:, None], other=0.0)
         k_pe = tl.load(
             kv_ptr + row[:, None] + D_LAT + offs_r[None, :], mask=mask_n[:, None], other=0.0
         )
+        if VSPLIT > 1:
+            k_oth = tl.load(
+                kv_ptr + row[:, None] + offs_oth[None, :], mask=mask_n[:, None], other=0.0
+            )
         if FP8_QK:
-            s = tl.dot(q_lat_op, tl.trans(k_lat))
-            s = tl.dot(q_pe_op, tl.trans(k_pe), s)
-            k_lat = k_lat.to(tl.bfloat16)
+            s = tl.dot(q_own, tl.trans(k_own))
+            s = tl.dot(q_pe, tl.trans(k_pe), s)
+            if VSPLIT > 1:
+                s = tl.dot(q_oth, tl.trans(k_oth), s)
+            k_own = k_own.to(tl.bfloat16)
         else:
-            k_lat = k_lat.to(tl.bfloat16)
-            k_pe = k_pe.to(tl.bfloat16)
-            s = tl.dot(q_lat_op, tl.trans(k_lat))
-            s = tl.dot(q_pe_op, tl.trans(k_pe), s)
+            k_own = k_own.to(tl.bfloat16)
+            s = tl.dot(q_own, tl.trans(k_own))
+            s = tl.dot(q_pe, tl.trans(k_pe.to(tl.bfloat16)), s)
+            if VSPLIT > 1:
+                s = tl.dot(q_oth, tl.trans(k_oth.to(tl.bfloat16)), s)
         s = tl.where(mask_n[None, :], s * row_scale[:, None], float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -216,7 +281,7 @@ def _mla_decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(tl.bfloat16), k_lat, acc)
+        acc = tl.dot(p.to(tl.bfloat16), k_own, acc)
         m_i = m_new
 
     # Empty split (short sequence): l_i == 0, write zeros and lse = -inf.
@@ -225,14 +290,15 @@ def _mla_decode_split_kernel(
     o = acc * inv_l[:, None]
     if DIRECT_OUT:
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh
-        tl.store(o_ptrs + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+        tl.store(o_ptrs + offs_own[None, :], o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
     else:
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         po = po_ptr + b.to(tl.int64) * stride_pob + offs_h[:, None] * stride_poh
         po += split * stride_pos
-        tl.store(po + offs_d[None, :], o, mask=mask_h[:, None])
-        pl = pl_ptr + b.to(tl.int64) * stride_plb + offs_h * stride_plh + split
-        tl.store(pl, lse, mask=mask_h)
+        tl.store(po + offs_own[None, :], o.to(po_ptr.dtype.element_ty), mask=mask_h[:, None])
+        if vpart == 0:  # every value slice has the same softmax statistics
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            pl = pl_ptr + b.to(tl.int64) * stride_plb + offs_h * stride_plh + split
+            tl.store(pl, lse, mask=mask_h)
 
 
 @triton.jit
@@ -240,6 +306,7 @@ def _mla_decode_merge_kernel(
     po_ptr,
     pl_ptr,
     out_ptr,
+    num_splits,
     stride_pob,
     stride_poh,
     stride_pos,
@@ -247,36 +314,38 @@ def _mla_decode_merge_kernel(
     stride_plh,
     stride_ob,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
-    D_LAT: tl.constexpr,
+    CHUNK: tl.constexpr,
+    D_BLOCK: tl.constexpr,
 ):
+    """out[b, h, dblk] = sum_s w_s * partial_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_P2)
-    mask_s = offs_s < NUM_SPLITS
-    lse = tl.load(
-        pl_ptr + b.to(tl.int64) * stride_plb + h * stride_plh + offs_s,
-        mask=mask_s,
-        other=float("-inf"),
-    )
-    m = tl.max(lse, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(mask_s & (lse > float("-inf")), tl.exp2(lse - m_safe), 0.0)
-    denom = tl.sum(w, axis=0)
-    w = w / tl.where(denom > 0.0, denom, 1.0)
-    offs_d = tl.arange(0, D_LAT)
+    dblk = tl.program_id(2)
+    pl = pl_ptr + b.to(tl.int64) * stride_plb + h * stride_plh
+    offs_all = tl.arange(0, SPLITS_P2)
+    lse_all = tl.load(pl + offs_all, mask=offs_all < num_splits, other=float("-inf"))
+    m = tl.max(lse_all, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
+    denom = tl.sum(tl.where(lse_all > float("-inf"), tl.exp2(lse_all - m), 0.0), axis=0)
+
+    offs_d = dblk * D_BLOCK + tl.arange(0, D_BLOCK)
     po = po_ptr + b.to(tl.int64) * stride_pob + h * stride_poh
-    parts = tl.load(
-        po + offs_s[:, None] * stride_pos + offs_d[None, :],
-        mask=(mask_s & (w > 0.0))[:, None],
-        other=0.0,
-    )
-    o = tl.sum(parts * w[:, None], axis=0)
-    tl.store(
-        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-        o.to(out_ptr.dtype.element_ty),
-    )
+    acc = tl.zeros([D_BLOCK], tl.float32)
+    for c in range(0, tl.cdiv(num_splits, CHUNK)):
+        offs_s = c * CHUNK + tl.arange(0, CHUNK)
+        lse = tl.load(pl + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
+        # Empty splits are not read: their slots may hold stale data from another call.
+        parts = tl.load(
+            po + offs_s[:, None] * stride_pos + offs_d[None, :],
+            mask=(w > 0.0)[:, None],
+            other=0.0,
+        )
+        acc += tl.sum(parts.to(tl.float32) * w[:, None], axis=0)
+    o = acc / tl.where(denom > 0.0, denom, 1.0)
+    out = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
+    tl.store(out + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 def _check_inputs(
@@ -292,8 +361,8 @@ def _check_inputs(
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != LATENT_DIM or kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache must be [pages, page_size, {LATENT_DIM}], last dim contiguous")
     page_size = kv_cache.shape[1]
-    if page_size < 1 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
     batch, heads = q.shape[0], q.shape[1]
     if out.shape != (batch, heads, KV_LORA_RANK) or out.stride(-1) != 1:
         raise ValueError(f"out must be [B, H, {KV_LORA_RANK}] with a contiguous last dim")
@@ -332,20 +401,28 @@ def mla_decode(
     batch, heads = q.shape[0], q.shape[1]
     page_size = kv_cache.shape[1]
     if num_splits is None:
-        num_splits = default_num_splits(batch, heads, block_tables.shape[1] * page_size, config)
-    num_splits = max(1, int(num_splits))
+        max_context = block_tables.shape[1] * page_size
+        num_splits = default_num_splits(batch, heads, max_context, config, _sm_count(q.device))
+    num_splits = int(num_splits)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     direct = num_splits == 1
     if direct:
         po = pl = out  # unused placeholders
     else:
         if workspace is None:
-            workspace = MLADecodeWorkspace.allocate(batch, heads, num_splits, q.device)
+            po_dtype = torch.float32 if out.dtype == torch.float32 else torch.bfloat16
+            workspace = MLADecodeWorkspace.allocate(batch, heads, num_splits, q.device, po_dtype)
         if workspace.max_splits < num_splits or workspace.partial_out.shape[0] < batch:
             raise ValueError("workspace too small for this batch / num_splits")
+        if workspace.partial_out.shape[1] != heads:
+            raise ValueError("workspace was allocated for a different head count")
         po, pl = workspace.partial_out, workspace.partial_lse
     has_scale = kv_cache.dtype == torch.float8_e4m3fn
     scale_arg = kv_scale if has_scale else out
-    grid = (batch, num_splits, triton.cdiv(heads, config.block_h))
+    if config.vsplit not in (1, 2):
+        raise ValueError("config.vsplit must be 1 or 2")
+    grid = (triton.cdiv(heads, config.block_h) * config.vsplit, num_splits, batch)
     _mla_decode_split_kernel[grid](
         q,
         kv_cache,
@@ -361,6 +438,7 @@ def mla_decode(
         q.stride(1),
         kv_cache.stride(0),
         kv_cache.stride(1),
+        kv_cache.shape[1],
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -369,11 +447,12 @@ def mla_decode(
         po.stride(2) if not direct else 0,
         pl.stride(0),
         pl.stride(1),
-        PAGE_SIZE=page_size,
         BLOCK_H=config.block_h,
         BLOCK_N=config.block_n,
         D_LAT=KV_LORA_RANK,
         D_ROPE=ROPE_DIM,
+        VSPLIT=config.vsplit,
+        TILE_IN_PAGE=page_size % config.block_n == 0,
         HAS_SCALE=has_scale,
         DIRECT_OUT=direct,
         FP8_QK=bool(config.fp8_qk and has_scale),
@@ -382,10 +461,11 @@ def mla_decode(
         num_stages=config.num_stages,
     )
     if not direct:
-        _mla_decode_merge_kernel[(batch, heads)](
+        _mla_decode_merge_kernel[(batch, heads, KV_LORA_RANK // _MERGE_D_BLOCK)](
             po,
             pl,
             out,
+            num_splits,
             po.stride(0),
             po.stride(1),
             po.stride(2),
@@ -393,9 +473,9 @@ def mla_decode(
             pl.stride(1),
             out.stride(0),
             out.stride(1),
-            NUM_SPLITS=num_splits,
             SPLITS_P2=triton.next_power_of_2(num_splits),
-            D_LAT=KV_LORA_RANK,
+            CHUNK=_MERGE_CHUNK,
+            D_BLOCK=_MERGE_D_BLOCK,
             num_warps=4,
         )
     return out

@@ -14,7 +14,7 @@ Layouts:
 
 - ``q``            ``[T_total, H, 576]``: new tokens of all sequences, concatenated.
 - ``kv_cache``     ``[num_pages, page_size, 576]`` bf16 / fp16 / fp32 / float8_e4m3fn
-                   (``kv_scale`` for FP8), page_size a power of two >= 1.
+                   (``kv_scale`` for FP8), any page_size >= 1.
 - ``cu_seqlens_q`` ``[B+1]`` int32: new tokens of sequence b are rows
                    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of ``q``.
 - ``seq_lens``     ``[B]`` int32: prefix + new tokens in the cache; the new tokens are the
@@ -73,10 +73,10 @@ def _mla_prefill_kernel(
     stride_qh,
     stride_kv_page,
     stride_kv_tok,
+    page_size,  # runtime: any page size >= 1 (value 1 gets its own specialisation)
     stride_btb,
     stride_ot,
     stride_oh,
-    PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -126,8 +126,8 @@ def _mla_prefill_kernel(
     for tile in range(0, n_tiles):
         tok = tile * BLOCK_N + offs_n
         mask_n = tok < kv_hi
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=mask_n, other=0)
-        row = page.to(tl.int64) * stride_kv_page + (tok % PAGE_SIZE) * stride_kv_tok
+        page = tl.load(bt_row + tok // page_size, mask=mask_n, other=0)
+        row = page.to(tl.int64) * stride_kv_page + (tok % page_size) * stride_kv_tok
         k_lat = tl.load(kv_ptr + row[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         k_pe = tl.load(
             kv_ptr + row[:, None] + D_LAT + offs_r[None, :], mask=mask_n[:, None], other=0.0
@@ -175,8 +175,8 @@ def _check(
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != LATENT_DIM or kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache must be [pages, page_size, {LATENT_DIM}]")
     page_size = kv_cache.shape[1]
-    if page_size < 1 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
     batch = seq_lens.shape[0]
     if cu_seqlens_q.shape != (batch + 1,) or block_tables.shape[0] != batch:
         raise ValueError("cu_seqlens_q must be [B+1] and block_tables [B, max_pages]")
@@ -230,10 +230,10 @@ def mla_prefill(
         q.stride(1),
         kv_cache.stride(0),
         kv_cache.stride(1),
+        kv_cache.shape[1],
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        PAGE_SIZE=kv_cache.shape[1],
         BLOCK_M=config.block_m,
         BLOCK_H=config.block_h,
         BLOCK_N=config.block_n,

@@ -38,6 +38,7 @@ from moeserve.kernels.nvfp4_gemm import (
 )
 
 ALIGN_CHUNK = 1024  # slots handled per vector step inside the single-program align kernel
+ALIGN_BCHUNK = 32  # blocks per step when mapping blocks to experts ([32, E] compare)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,51 +86,89 @@ def fused_moe_nvfp4_ref(
 
 @triton.jit
 def _moe_align_kernel(
-    ids_ptr, sorted_ptr, expert_ids_ptr, counts_ptr, starts_ptr, ranks_ptr,
-    Mk, E, max_blocks, max_blocks_per_expert,
-    BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr,
+    ids_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    counts_ptr,
+    ranks_ptr,
+    Mk,
+    E,
+    max_blocks,
+    sorted_len,
+    BLOCK_M: tl.constexpr,
+    E_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BCHUNK: tl.constexpr,
+    SORT_CHUNKS: tl.constexpr,
+    SLOT_CHUNKS: tl.constexpr,
+    BLK_CHUNKS: tl.constexpr,
 ):
     """One program. sorted[b*BLOCK_M + r] = slot (or Mk = padding) for block b whose expert is
     expert_ids[b] (-1 = unused block). Ranks within an expert come from atomics, so the order of
-    slots inside an expert is arbitrary (the sum does not care)."""
+    slots inside an expert is arbitrary (the sum does not care). Loops run over constexpr chunk
+    counts (the interpreter cannot loop over run-time bounds)."""
     offs = tl.arange(0, CHUNK)
     e_offs = tl.arange(0, E_P)
-    tl.store(counts_ptr + e_offs, tl.zeros((E_P,), tl.int32), mask=e_offs < E)
-    for c in range(0, max_blocks * BLOCK_M, CHUNK):
-        tl.store(sorted_ptr + c + offs, tl.full((CHUNK,), 0, tl.int32) + Mk, mask=c + offs < max_blocks * BLOCK_M)
-    for c in range(0, max_blocks, CHUNK):
-        tl.store(expert_ids_ptr + c + offs, tl.full((CHUNK,), -1, tl.int32), mask=c + offs < max_blocks)
+    e_mask = e_offs < E
+    tl.store(counts_ptr + e_offs, tl.zeros((E_P,), tl.int32), mask=e_mask)
+    for ci in range(SORT_CHUNKS):
+        o = ci * CHUNK + offs
+        tl.store(sorted_ptr + o, tl.full((CHUNK,), 0, tl.int32) + Mk, mask=o < sorted_len)
     tl.debug_barrier()
-    for c in range(0, Mk, CHUNK):
-        msk = c + offs < Mk
-        ids = tl.load(ids_ptr + c + offs, mask=msk, other=0)
+    for ci in range(SLOT_CHUNKS):
+        o = ci * CHUNK + offs
+        msk = o < Mk
+        ids = tl.load(ids_ptr + o, mask=msk, other=0)
         rank = tl.atomic_add(counts_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=msk)
-        tl.store(ranks_ptr + c + offs, rank, mask=msk)
+        tl.store(ranks_ptr + o, rank, mask=msk)
     tl.debug_barrier()
-    cnt = tl.load(counts_ptr + e_offs, mask=e_offs < E, other=0, volatile=True)
+    cnt = tl.load(counts_ptr + e_offs, mask=e_mask, other=0, volatile=True)
     blocks = (cnt + BLOCK_M - 1) // BLOCK_M
-    start = tl.cumsum(blocks, 0) - blocks
-    tl.store(starts_ptr + e_offs, start, mask=e_offs < E)
-    for t in range(0, max_blocks_per_expert):
-        tl.store(expert_ids_ptr + start + t, e_offs, mask=(e_offs < E) & (t < blocks))
+    cum_end = tl.cumsum(blocks, 0)
+    total = tl.sum(blocks, 0)
+    # expert of block b = number of experts whose blocks all end at or before b
+    b_offs = tl.arange(0, BCHUNK)
+    for ci in range(BLK_CHUNKS):
+        b = ci * BCHUNK + b_offs
+        ends_before = (cum_end[None, :] <= b[:, None]) & e_mask[None, :]
+        eid = tl.sum(ends_before.to(tl.int32), 1)
+        eid = tl.where(b < total, eid, -1)
+        tl.store(expert_ids_ptr + b, eid, mask=b < max_blocks)
     tl.debug_barrier()
-    for c in range(0, Mk, CHUNK):
-        msk = c + offs < Mk
-        ids = tl.load(ids_ptr + c + offs, mask=msk, other=0)
-        rank = tl.load(ranks_ptr + c + offs, mask=msk, other=0, volatile=True)
-        st = tl.load(starts_ptr + ids, mask=msk, other=0, volatile=True)
-        tl.store(sorted_ptr + st * BLOCK_M + rank, c + offs, mask=msk)
+    # first block of each expert, kept in counts_ptr (already read above)
+    tl.store(counts_ptr + e_offs, cum_end - blocks, mask=e_mask)
+    tl.debug_barrier()
+    for ci in range(SLOT_CHUNKS):
+        o = ci * CHUNK + offs
+        msk = o < Mk
+        ids = tl.load(ids_ptr + o, mask=msk, other=0)
+        rank = tl.load(ranks_ptr + o, mask=msk, other=0, volatile=True)
+        st = tl.load(counts_ptr + ids, mask=msk, other=0, volatile=True)
+        tl.store(sorted_ptr + st * BLOCK_M + rank, o, mask=msk)
 
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, gs_ptr, inter_ptr, sorted_ptr, expert_ids_ptr,
-    Mk, I, H, stride_xm,
-    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_ITERS: tl.constexpr, DECODE: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    inter_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    Mk,
+    INTER,
+    H,
+    stride_xm,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """inter[slot, n] = silu(gate) * up for the slots of block pid(1), columns of tile pid(0).
-    Gate rows n and up rows I+n are decoded in the same loop so x is read once for both."""
+    Gate rows n and up rows INTER+n are decoded in the same loop so x is read once for both."""
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
     expert = tl.load(expert_ids_ptr + pid_b)
@@ -141,13 +180,13 @@ def _moe_gate_up_kernel(
     KH = H // 2
     KG = H // 16
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n[:, None] < I
-    w_e = w_ptr + expert.to(tl.int64) * (2 * I) * KH
-    s_e = s_ptr + expert.to(tl.int64) * (2 * I) * KG
+    n_mask = offs_n[:, None] < INTER
+    w_e = w_ptr + expert.to(tl.int64) * (2 * INTER) * KH
+    s_e = s_ptr + expert.to(tl.int64) * (2 * INTER) * KG
     g_rows = w_e + offs_n[:, None].to(tl.int64) * KH
-    u_rows = w_e + (offs_n[:, None] + I).to(tl.int64) * KH
+    u_rows = w_e + (offs_n[:, None] + INTER).to(tl.int64) * KH
     gs_rows = s_e + offs_n[:, None].to(tl.int64) * KG
-    us_rows = s_e + (offs_n[:, None] + I).to(tl.int64) * KG
+    us_rows = s_e + (offs_n[:, None] + INTER).to(tl.int64) * KG
     acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for it in range(K_ITERS):
@@ -159,20 +198,32 @@ def _moe_gate_up_kernel(
         ue, uo = _load_decode_tile(u_rows, us_rows, n_mask, kb0, KH, KG, BLOCK_N, BLOCK_K, DECODE)
         acc_u = _dot_acc(ue, xe, acc_u, DECODE)
         acc_u = _dot_acc(uo, xo, acc_u, DECODE)
-    gs = tl.load(gs_ptr + expert) * (2.0 ** ACC_FIX_EXP)
+    gs = tl.load(gs_ptr + expert) * (2.0**ACC_FIX_EXP)
     g = acc_g * gs
     u = acc_u * gs
     h = g / (1.0 + tl.exp(-g)) * u
-    ptrs = inter_ptr + slots[None, :].to(tl.int64) * I + offs_n[:, None]
+    ptrs = inter_ptr + slots[None, :].to(tl.int64) * INTER + offs_n[:, None]
     tl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=n_mask & m_mask)
 
 
 @triton.jit
 def _moe_down_kernel(
-    a_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, sorted_ptr, expert_ids_ptr, topk_w_ptr,
-    Mk, H, I,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_ITERS: tl.constexpr, DECODE: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    y_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    topk_w_ptr,
+    Mk,
+    H,
+    INTER,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """y[slot, n] = topk_weight[slot] * (inter[slot] @ W2_e^T)[n], fp32."""
     pid_n = tl.program_id(0)
@@ -183,9 +234,9 @@ def _moe_down_kernel(
     slots = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = slots < Mk
     m_mask = valid[None, :]
-    a_rows = a_ptr + slots[None, :].to(tl.int64) * I
-    KH = I // 2
-    KG = I // 16
+    a_rows = a_ptr + slots[None, :].to(tl.int64) * INTER
+    KH = INTER // 2
+    KG = INTER // 16
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n[:, None] < H
     w_rows = w_ptr + expert.to(tl.int64) * H * KH + offs_n[:, None].to(tl.int64) * KH
@@ -193,12 +244,12 @@ def _moe_down_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for it in range(K_ITERS):
         kb0 = it * (BLOCK_K // 2)
-        ae, ao = _load_act_t(a_rows, m_mask, kb0, I, BLOCK_K)
+        ae, ao = _load_act_t(a_rows, m_mask, kb0, INTER, BLOCK_K)
         we, wo = _load_decode_tile(w_rows, s_rows, n_mask, kb0, KH, KG, BLOCK_N, BLOCK_K, DECODE)
         acc = _dot_acc(we, ae, acc, DECODE)
         acc = _dot_acc(wo, ao, acc, DECODE)
     wt = tl.load(topk_w_ptr + slots, mask=valid, other=0.0)
-    acc = acc * (tl.load(gs_ptr + expert) * (2.0 ** ACC_FIX_EXP)) * wt[None, :]
+    acc = acc * (tl.load(gs_ptr + expert) * (2.0**ACC_FIX_EXP)) * wt[None, :]
     ptrs = y_ptr + slots[None, :].to(tl.int64) * H + offs_n[:, None]
     tl.store(ptrs, acc, mask=n_mask & m_mask)
 
@@ -212,7 +263,9 @@ def _moe_combine_kernel(y_ptr, out_ptr, H, stride_om, TOPK: tl.constexpr, BLOCK_
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in range(TOPK):
         acc += tl.load(y_ptr + (m * TOPK + j).to(tl.int64) * H + offs, mask=msk, other=0.0)
-    tl.store(out_ptr + m.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=msk)
+    tl.store(
+        out_ptr + m.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=msk
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,7 +280,9 @@ def max_aligned_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
     return (num_slots + min(num_slots, num_experts) * (block_m - 1)) // block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [M, k] -> (sorted slot ids int32 [max_blocks*block_m], expert per block int32
     [max_blocks], -1 for unused blocks). One kernel launch, no host synchronisation."""
     ids = topk_ids.reshape(-1).to(torch.int32)
@@ -236,12 +291,25 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     dev = ids.device
     sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(nb, dtype=torch.int32, device=dev)
-    scratch = torch.empty(2 * num_experts + mk, dtype=torch.int32, device=dev)
-    counts, starts, ranks = scratch[:num_experts], scratch[num_experts : 2 * num_experts], scratch[2 * num_experts :]
+    scratch = torch.empty(num_experts + mk, dtype=torch.int32, device=dev)
     _moe_align_kernel[(1,)](
-        ids, sorted_ids, expert_ids, counts, starts, ranks,
-        mk, num_experts, nb, triton.cdiv(mk, block_m),
-        BLOCK_M=block_m, E_P=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK, num_warps=4,
+        ids,
+        sorted_ids,
+        expert_ids,
+        scratch[:num_experts],
+        scratch[num_experts:],
+        mk,
+        num_experts,
+        nb,
+        nb * block_m,
+        BLOCK_M=block_m,
+        E_P=triton.next_power_of_2(num_experts),
+        CHUNK=ALIGN_CHUNK,
+        BCHUNK=ALIGN_BCHUNK,
+        SORT_CHUNKS=triton.cdiv(nb * block_m, ALIGN_CHUNK),
+        SLOT_CHUNKS=triton.cdiv(mk, ALIGN_CHUNK),
+        BLK_CHUNKS=triton.cdiv(nb, ALIGN_BCHUNK),
+        num_warps=4,
     )
     return sorted_ids, expert_ids
 
@@ -265,7 +333,9 @@ def _check_moe_args(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_sc
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != m or h % NVFP4_BLOCK or i % NVFP4_BLOCK:
-        raise ValueError(f"bad MoE shapes: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, I={i}")
+        raise ValueError(
+            f"bad MoE shapes: x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, I={i}"
+        )
     if w13.dtype != torch.uint8 or w2.dtype != torch.uint8:
         raise TypeError("w13 and w2 must be packed uint8")
 
@@ -308,19 +378,54 @@ def fused_moe_nvfp4(
     tw = topk_weights.reshape(-1).to(torch.float32)
     bn1, bk1 = cfg1["BLOCK_N"], cfg1["BLOCK_K"]
     _moe_gate_up_kernel[(triton.cdiv(inter_size, bn1), nb)](
-        x, w13, w13_scale.view(torch.uint8), w13_gs, inter, sorted_ids, expert_ids,
-        mk, inter_size, h, x.stride(0),
-        TOPK=topk, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, K_ITERS=triton.cdiv(h, bk1), DECODE=dec,
-        num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"],
+        x,
+        w13,
+        w13_scale.view(torch.uint8),
+        w13_gs,
+        inter,
+        sorted_ids,
+        expert_ids,
+        mk,
+        inter_size,
+        h,
+        x.stride(0),
+        TOPK=topk,
+        BLOCK_M=bm,
+        BLOCK_N=bn1,
+        BLOCK_K=bk1,
+        K_ITERS=triton.cdiv(h, bk1),
+        DECODE=dec,
+        num_warps=cfg1["num_warps"],
+        num_stages=cfg1["num_stages"],
     )
     bn2, bk2 = cfg2["BLOCK_N"], cfg2["BLOCK_K"]
     _moe_down_kernel[(triton.cdiv(h, bn2), nb)](
-        inter, w2, w2_scale.view(torch.uint8), w2_gs, y, sorted_ids, expert_ids, tw,
-        mk, h, inter_size,
-        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, K_ITERS=triton.cdiv(inter_size, bk2), DECODE=dec,
-        num_warps=cfg2["num_warps"], num_stages=cfg2["num_stages"],
+        inter,
+        w2,
+        w2_scale.view(torch.uint8),
+        w2_gs,
+        y,
+        sorted_ids,
+        expert_ids,
+        tw,
+        mk,
+        h,
+        inter_size,
+        BLOCK_M=bm,
+        BLOCK_N=bn2,
+        BLOCK_K=bk2,
+        K_ITERS=triton.cdiv(inter_size, bk2),
+        DECODE=dec,
+        num_warps=cfg2["num_warps"],
+        num_stages=cfg2["num_stages"],
     )
     _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK_H))](
-        y, out, h, out.stride(0), TOPK=topk, BLOCK_H=COMBINE_BLOCK_H, num_warps=4,
+        y,
+        out,
+        h,
+        out.stride(0),
+        TOPK=topk,
+        BLOCK_H=COMBINE_BLOCK_H,
+        num_warps=4,
     )
     return out

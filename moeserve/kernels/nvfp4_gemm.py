@@ -24,7 +24,9 @@ _E2M1_BOUNDS: tuple[float, ...] = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_UP: tuple[bool, ...] = (False, True, False, True, False, True, False)
 
 
-def e2m1_table(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def e2m1_table(
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The 16 E2M1 values indexed by the 4-bit code (sign in bit 3)."""
     mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     return torch.cat([mags, -mags]).to(device=device, dtype=dtype)
@@ -58,7 +60,9 @@ def dequantize_nvfp4(
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
     k = packed.shape[-1] * 2
     if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * NVFP4_BLOCK != k:
-        raise ValueError(f"scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)}")
+        raise ValueError(
+            f"scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)}"
+        )
     codes = unpack_e2m1_codes(packed).long()
     vals = e2m1_table(packed.device)[codes]
     block = scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
@@ -92,9 +96,12 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     scale = (bmax / (E2M1_MAX * gs)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     # All-zero blocks, and blocks so small that their scale underflowed e4m3, get scale 1:
     # their codes then round to (nearly) zero instead of dividing by zero.
-    scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(bmax)).to(torch.float8_e4m3fn)
+    scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(bmax)).to(
+        torch.float8_e4m3fn
+    )
     q = blocks / (scale.float() * gs).unsqueeze(-1)
-    codes = _e2m1_round(q.abs()) | ((q < 0).to(torch.uint8) << 3)
+    idx = _e2m1_round(q.abs())
+    codes = idx | (((q < 0) & (idx > 0)).to(torch.uint8) << 3)  # no negative zero codes
     return pack_e2m1_codes(codes.flatten(1)), scale, gs.to(torch.float32)
 
 
@@ -191,8 +198,17 @@ def _e2m1_arith(c):
 
 
 @triton.jit
-def _load_decode_tile(w_row_ptr, s_row_ptr, n_mask, kb0, KH, KG,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr):
+def _load_decode_tile(
+    w_row_ptr,
+    s_row_ptr,
+    n_mask,
+    kb0,
+    KH,
+    KG,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DECODE: tl.constexpr,
+):
     """Load and decode one [BLOCK_N, BLOCK_K] NVFP4 weight tile starting at byte column kb0.
 
     w_row_ptr [BLOCK_N, 1] pointers to packed rows, s_row_ptr [BLOCK_N, 1] to scale rows.
@@ -203,28 +219,40 @@ def _load_decode_tile(w_row_ptr, s_row_ptr, n_mask, kb0, KH, KG,
     BKG: tl.constexpr = BLOCK_K // 16
     offs_g = kb0 // 8 + tl.arange(0, BKG)
     s = tl.load(s_row_ptr + offs_g[None, :], mask=n_mask & (offs_g[None, :] < KG), other=0)
-    s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (2.0 ** SCALE_BIAS_EXP)
-    s = tl.reshape(tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BLOCK_N, BKG, 8)), (BLOCK_N, BKH))
+    s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (2.0**SCALE_BIAS_EXP)
+    s = tl.reshape(
+        tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BLOCK_N, BKG, 8)), (BLOCK_N, BKH)
+    )
     if DECODE == 1:
         offs_b = kb0 + tl.arange(0, BKH)
         q = tl.load(w_row_ptr + offs_b[None, :], mask=n_mask & (offs_b[None, :] < KH), other=0)
         even, odd = tl.inline_asm_elementwise(
-            _E2M1_ASM, "=r,=r,=r,=r,r,r,r", [q, s],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+            _E2M1_ASM,
+            "=r,=r,=r,=r,r,r,r",
+            [q, s],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
         )
     elif DECODE == 2:
         offs_b = kb0 + tl.arange(0, BKH)
         q = tl.load(w_row_ptr + offs_b[None, :], mask=n_mask & (offs_b[None, :] < KH), other=0)
         even, odd = tl.inline_asm_elementwise(
-            _E2M1_ASM_NOSCALE, "=r,=r,=r,=r,r", [q],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+            _E2M1_ASM_NOSCALE,
+            "=r,=r,=r,=r,r",
+            [q],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
         )
         even = even * s
         odd = odd * s
     else:
         offs_b = kb0 + _byte_perm(tl.arange(0, BKH))
-        q = tl.load(w_row_ptr + offs_b[None, :], mask=n_mask & (offs_b[None, :] < KH), other=0).to(tl.int32)
-        sf = s.to(tl.float32) * (2.0 ** -126)
+        q = tl.load(w_row_ptr + offs_b[None, :], mask=n_mask & (offs_b[None, :] < KH), other=0).to(
+            tl.int32
+        )
+        sf = s.to(tl.float32) * (2.0**-126)
         even = (_e2m1_arith(q & 15) * sf).to(tl.bfloat16)
         odd = (_e2m1_arith(q >> 4) * sf).to(tl.bfloat16)
     return even, odd
@@ -272,10 +300,24 @@ def _splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr, mask, SPLIT_K: tl.constexpr
 
 @triton.jit
 def _nvfp4_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, ws_ptr, lock_ptr,
-    M, N, K, stride_xm, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_ITERS: tl.constexpr, DECODE: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    out_ptr,
+    ws_ptr,
+    lock_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     """out [M, N] = x [M, K] @ W^T. Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)).
 
@@ -301,7 +343,7 @@ def _nvfp4_gemm_kernel(
         xe, xo = _load_act_t(x_rows, m_mask, kb0, K, BLOCK_K)
         acc = _dot_acc(we, xe, acc, DECODE)
         acc = _dot_acc(wo, xo, acc, DECODE)
-    acc = acc * (tl.load(gs_ptr) * (2.0 ** ACC_FIX_EXP))
+    acc = acc * (tl.load(gs_ptr) * (2.0**ACC_FIX_EXP))
     mask = n_mask & m_mask
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     ws_ptrs = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
@@ -388,10 +430,18 @@ def nvfp4_gemm(
         raise ValueError(f"x must be [M, K] with unit stride along K, got {tuple(x.shape)}")
     m, k = x.shape
     n = packed.shape[0]
-    if packed.dtype != torch.uint8 or tuple(packed.shape) != (n, k // 2) or not packed.is_contiguous():
-        raise ValueError(f"packed must be contiguous uint8 [N, {k // 2}], got {packed.dtype} {tuple(packed.shape)}")
+    if (
+        packed.dtype != torch.uint8
+        or tuple(packed.shape) != (n, k // 2)
+        or not packed.is_contiguous()
+    ):
+        raise ValueError(
+            f"packed must be contiguous uint8 [N, {k // 2}], got {packed.dtype} {tuple(packed.shape)}"
+        )
     if k % NVFP4_BLOCK or tuple(scale.shape) != (n, k // NVFP4_BLOCK) or not scale.is_contiguous():
-        raise ValueError(f"scale must be contiguous [N, K/16] = {(n, k // 16)}, got {tuple(scale.shape)}")
+        raise ValueError(
+            f"scale must be contiguous [N, K/16] = {(n, k // 16)}, got {tuple(scale.shape)}"
+        )
     if scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
         raise TypeError(f"scale must be float8_e4m3fn, got {scale.dtype}")
     if out is None:
@@ -417,10 +467,25 @@ def nvfp4_gemm(
         ws, locks = out, out  # unused
     gs = _as_scalar_tensor(global_scale, x.device)
     _nvfp4_gemm_kernel[(grid_n, split, grid_m)](
-        x, packed, scale.view(torch.uint8), gs, out, ws, locks,
-        m, n, k, x.stride(0), out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, K_ITERS=k_iters,
+        x,
+        packed,
+        scale.view(torch.uint8),
+        gs,
+        out,
+        ws,
+        locks,
+        m,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SPLIT_K=split,
+        K_ITERS=k_iters,
         DECODE=default_decode() if decode is None else decode,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out

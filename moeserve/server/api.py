@@ -52,7 +52,6 @@ from moeserve.server.protocol import (
     ModelList,
     TokenizeRequest,
     ToolCallOut,
-    TopLogprob,
     UsageInfo,
     now,
 )
@@ -77,6 +76,9 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        message = " ".join(message.split())  # one line
+        if not message.endswith((".", "?", "!")):
+            message += "."
         super().__init__(message)
         self.message, self.status, self.err_type = message, status, err_type
         self.param, self.code = param, code
@@ -410,26 +412,25 @@ class ServerState:
         return out
 
     def completion_logprobs(
-        self, lps: list[TokenLogprob | None], top_n: int, offset: int
+        self, entries: list[tuple[int, TokenLogprob | None]], top_n: int, offset: int
     ) -> tuple[CompletionLogprobs, int]:
-        """Legacy logprobs of consecutive tokens whose text starts at `offset`; the sampled
-        token is always among its top_logprobs (vLLM convention, lm-eval's greedy check)."""
+        """Legacy logprobs of consecutive tokens (id, logprob or None for the first prompt
+        token) whose text starts at `offset`. The token itself is always among its
+        top_logprobs (vLLM's convention; lm-eval's greedy check relies on it)."""
         res = CompletionLogprobs()
-        for lp in lps:
-            if lp is None:  # first prompt token: nothing to condition on
-                res.tokens.append("")
+        for token_id, lp in entries:
+            tok = self.token_str(token_id)
+            res.tokens.append(tok)
+            res.text_offset.append(offset)
+            offset += len(tok)
+            if lp is None:  # the first prompt token has nothing to condition on
                 res.token_logprobs.append(None)
                 res.top_logprobs.append(None)
-                res.text_offset.append(offset)
                 continue
-            tok = self.token_str(lp.token_id)
-            res.tokens.append(tok)
             res.token_logprobs.append(lp.logprob)
             top = {self.token_str(t): v for t, v in lp.top[:top_n]}
             top.setdefault(tok, lp.logprob)
             res.top_logprobs.append(top)
-            res.text_offset.append(offset)
-            offset += len(tok)
         return res, offset
 
 
@@ -617,9 +618,7 @@ async def chat_completions(st: ServerState, req: ChatCompletionRequest, raw: Req
             )
         )
     usage = UsageInfo.of(len(prompt_ids), sum(s.num_tokens for s in states))
-    resp = ChatCompletionResponse(
-        id=request_id, model=st.model_name, choices=choices, usage=usage
-    )
+    resp = ChatCompletionResponse(id=request_id, model=st.model_name, choices=choices, usage=usage)
     return JSONResponse(resp.model_dump())
 
 
@@ -673,8 +672,14 @@ async def _chat_sse(
         if not s.started:  # the role comes first, in a chunk of its own (OpenAI does this)
             s.started = True
             yield chunk(
-                [{"index": i, "delta": {"role": "assistant", "content": ""},
-                  "logprobs": None, "finish_reason": None}],
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
                 running_usage(),
             )
         s.num_tokens += len(out.token_ids)
@@ -684,7 +689,7 @@ async def _chat_sse(
             tail = s.parser.flush()
             d.reasoning += tail.reasoning
             d.content += tail.content
-            chat_parsers._merge_deltas(d.tool_calls, tail.tool_calls)
+            chat_parsers.merge_tool_deltas(d.tool_calls, tail.tool_calls)
             finish = _finish_reason(out.finish_reason, s.parser)
         logprobs = None
         if req.logprobs and out.logprobs:
@@ -710,8 +715,12 @@ async def _stream_response(raw: Request, group: GenerationGroup, make_sse: Any) 
     """Start the engine requests, wait for their first output (so an input the engine
     rejects still gets an HTTP 400), then stream server-sent events."""
     gen = group.stream()
+
+    async def first_output() -> tuple[int, RequestOutput]:
+        return await gen.__anext__()
+
     try:
-        first = await run_unless_disconnected(raw, gen.__anext__())
+        first = await run_unless_disconnected(raw, first_output())
     except StopAsyncIteration:
         first = None
     except ValueError as e:
@@ -798,8 +807,6 @@ class _CompletionRun:
 
     def __init__(self, st: ServerState, req: CompletionRequest, prompts: list[_Prompt]) -> None:
         self.st, self.req, self.prompts = st, req, prompts
-        # max_tokens 0 (echo-only scoring): the engine runs one step whose output is dropped
-        self.drop_output = req.max_tokens == 0
         self.states = [_CompletionChoiceState(k // req.n) for k in range(len(prompts) * req.n)]
 
     def step(self, index: int, out: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
@@ -818,20 +825,18 @@ class _CompletionRun:
                     plp = list(out.prompt_logprobs or [])
                     if len(plp) == len(prompt.ids) - 1:
                         plp = [None, *plp]
-                    lps, s.offset = self.st.completion_logprobs(plp, req.logprobs or 0, 0)
+                    entries = list(zip(prompt.ids, plp, strict=True))
+                    lps, _ = self.st.completion_logprobs(entries, req.logprobs or 0, 0)
                 s.offset = len(text)
-        if not self.drop_output:
-            s.num_tokens += len(out.token_ids)
-            text += out.text
-            if want_lp and out.logprobs:
-                more, s.offset = self.st.completion_logprobs(
-                    list(out.logprobs), req.logprobs or 0, s.offset
-                )
-                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                    getattr(lps, name).extend(getattr(more, name))
+        s.num_tokens += len(out.token_ids)
+        text += out.text
+        if want_lp and out.logprobs:
+            entries = [(lp.token_id, lp) for lp in out.logprobs]
+            more, s.offset = self.st.completion_logprobs(entries, req.logprobs or 0, s.offset)
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(lps, name).extend(getattr(more, name))
         if out.finished:
-            s.finish_reason = "length" if self.drop_output else out.finish_reason
-            s.stop_reason = None if self.drop_output else out.stop_reason
+            s.finish_reason, s.stop_reason = out.finish_reason, out.stop_reason
         s.text += text
         if lps is not None:
             for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -850,16 +855,12 @@ async def completions(st: ServerState, req: CompletionRequest, raw: Request) -> 
     request_id = _new_id("cmpl")
     subs = []
     for p_idx, prompt in enumerate(prompts):
-        where = "prompt"
-        budget = st.output_budget(len(prompt.ids), req.max_tokens, where)
-        engine_max = max(budget, 1)
-        if budget == 0:
-            st.output_budget(len(prompt.ids), engine_max, where)
+        budget = st.output_budget(len(prompt.ids), req.max_tokens, "prompt")
         for i in range(req.n):
             index = p_idx * req.n + i
             params = _sampling_params(
                 req,
-                engine_max,
+                budget,
                 _choice_seed(req.seed, i),
                 req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
@@ -1036,7 +1037,9 @@ def create_app(
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.error("internal error", exc_info=exc)
-        return error_json(500, f"Internal server error ({type(exc).__name__}).", "internal_server_error")
+        return error_json(
+            500, f"Internal server error ({type(exc).__name__}).", "internal_server_error"
+        )
 
     @app.get("/health")
     async def health() -> Response:
@@ -1053,9 +1056,7 @@ def create_app(
         text = engine.metrics_text()
         if text and not text.endswith("\n"):
             text += "\n"
-        return PlainTextResponse(
-            text + st.metrics.render(), media_type="text/plain; version=0.0.4"
-        )
+        return PlainTextResponse(text + st.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def model_card() -> ModelCard:
         return ModelCard(

@@ -311,13 +311,13 @@ class ChatOutputParser:
             if final:
                 tail = self.tools.flush()
                 out.content += tail.content
-                _merge_deltas(out.tool_calls, tail.deltas)
+                merge_tool_deltas(out.tool_calls, tail.deltas)
         else:
             out.content = content
         return out
 
 
-def _merge_deltas(into: list[ToolCallDelta], more: list[ToolCallDelta]) -> None:
+def merge_tool_deltas(into: list[ToolCallDelta], more: list[ToolCallDelta]) -> None:
     for d in more:
         if into and into[-1].index == d.index and d.id is None:
             into[-1].arguments += d.arguments

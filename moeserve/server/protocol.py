@@ -186,15 +186,12 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError(
-                "continue_final_message and add_generation_prompt cannot both be true"
-            )
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs a final assistant message")
         if self.tool_choice not in (None, "auto", "none"):
             raise ValueError(
-                "tool_choice 'required' or a named function is not supported; "
-                "use 'auto' or 'none'"
+                "tool_choice 'required' or a named function is not supported; use 'auto' or 'none'"
             )
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError(
@@ -232,9 +229,14 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported unless it equals n")
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty")
         return self
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, v: PromptInput) -> PromptInput:
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        return v
 
 
 class TokenizeRequest(OpenAIModel):

@@ -31,6 +31,7 @@ class Pace:
     ttft_s: float = 0.08
     itl_s: float = 0.02
     prompt_tokens: int = 7  # reported in usage
+    stop_after: int | None = None  # finish with "stop" after this many tokens (an EOS)
 
 
 class PaceServer:
@@ -107,6 +108,9 @@ class PaceServer:
             err = {"error": {"message": "bad request on purpose", "type": "invalid_request_error"}}
             return web.json_response(err, status=400)
         n = int(body.get("max_tokens", 16))
+        finish = "length"
+        if self.pace.stop_after is not None and self.pace.stop_after < n:
+            n, finish = self.pace.stop_after, "stop"
         start = time.perf_counter()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -123,12 +127,20 @@ class PaceServer:
                 choice = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "finish_reason": finish}
-            return {"id": "x", "object": "chunk", "model": MODEL_ID, "choices": [choice], "usage": None}
+            return {
+                "id": "x",
+                "object": "chunk",
+                "model": MODEL_ID,
+                "choices": [choice],
+                "usage": None,
+            }
 
         if chat:
             await send(chunk(None, role=True))  # carries no content
         for i in range(n):
-            await asyncio.sleep(max(0.0, start + self.pace.ttft_s + i * self.pace.itl_s - time.perf_counter()))
+            await asyncio.sleep(
+                max(0.0, start + self.pace.ttft_s + i * self.pace.itl_s - time.perf_counter())
+            )
             if "BADCHUNK" in prompt and i == n // 2:
                 await send("{not json")
                 return resp
@@ -139,11 +151,16 @@ class PaceServer:
                 return resp
             await send(chunk(f"t{i} "))
             self.generated_tokens += 1
-        await send(chunk("" if not chat else None, finish="length"))
+        await send(chunk("" if not chat else None, finish=finish))
         if "NOUSAGE" not in prompt and (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": self.pace.prompt_tokens, "completion_tokens": n,
-                     "total_tokens": self.pace.prompt_tokens + n}
-            await send({"id": "x", "object": "chunk", "model": MODEL_ID, "choices": [], "usage": usage})
+            usage = {
+                "prompt_tokens": self.pace.prompt_tokens,
+                "completion_tokens": n,
+                "total_tokens": self.pace.prompt_tokens + n,
+            }
+            await send(
+                {"id": "x", "object": "chunk", "model": MODEL_ID, "choices": [], "usage": usage}
+            )
         await send("[DONE]")
         await resp.write_eof()
         return resp

@@ -16,13 +16,16 @@ from moeserve.bench.datasets import (
     read_json_array_items,
 )
 
-ITEMS = [{"id": "a", "conversations": [{"from": "human", "value": "hi \u00e9\u4e2d"}]},
-         {"id": "b", "n": 12.5, "ok": True}, {"id": "c", "x": None, "s": "q\"uote"}]
+ITEMS = [
+    {"id": "a", "conversations": [{"from": "human", "value": "hi \u00e9\u4e2d"}]},
+    {"id": "b", "n": 12.5, "ok": True},
+    {"id": "c", "x": None, "s": 'q"uote'},
+]
 FULL = json.dumps(ITEMS, indent=2, ensure_ascii=False)
 
 
 def chunks(text: str, size: int) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)]
+    return [text[i : i + size] for i in range(0, len(text), size)]
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 64, 10_000])
@@ -58,8 +61,10 @@ def test_empty_and_invalid_arrays():
 
 
 def test_sharegpt_samples_from_a_small_cut_file(tmp_path):
-    conv = [{"from": "human", "value": "tell me about the sea " * 3},
-            {"from": "gpt", "value": "the sea is large and deep " * 4}]
+    conv = [
+        {"from": "human", "value": "tell me about the sea " * 3},
+        {"from": "gpt", "value": "the sea is large and deep " * 4},
+    ]
     data = [{"id": str(i), "conversations": conv} for i in range(5)]
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(data)[:-40])  # cut inside the last conversation
@@ -122,6 +127,9 @@ def test_random_prompts_with_tokenizer_are_exact(bpe_tokenizer):
     tok = Tokenizer.from_file(bpe_tokenizer)
     for s in random_samples(10, 40, 4, 0.25, seed=5, tokenizer_path=bpe_tokenizer):
         assert len(tok.encode(s.prompt, add_special_tokens=False).ids) == s.prompt_len
+    for s in random_samples(10, 40, 4, 0.0, seed=6, tokenizer_path=bpe_tokenizer):
+        assert len(tok.encode(s.prompt, add_special_tokens=False).ids) == 40
+        assert len(s.prompt.split()) < 40  # many words are several tokens here
     assert TokenCounter(bpe_tokenizer).exact
 
 
@@ -134,26 +142,38 @@ def test_bad_tokenizer_path(tmp_path):
 
 def test_jsonl_forms(tmp_path: Path):
     path = tmp_path / "w.jsonl"
-    lines = [json.dumps("plain prompt"), "",
-             json.dumps([{"role": "user", "content": "as messages"}]),
-             json.dumps({"prompt": "with max", "max_tokens": 9}),
-             json.dumps({"messages": [{"role": "user", "content": "m"}]})]
+    lines = [
+        json.dumps("plain prompt"),
+        "",
+        json.dumps([{"role": "user", "content": "as messages"}]),
+        json.dumps({"prompt": "with max", "max_tokens": 9}),
+        json.dumps({"messages": [{"role": "user", "content": "m"}]}),
+    ]
     path.write_text("\n".join(lines))
     s = jsonl_samples(str(path), None, None)
-    assert [x.prompt for x in s] == ["plain prompt", [{"role": "user", "content": "as messages"}],
-                                     "with max", [{"role": "user", "content": "m"}]]
+    assert [x.prompt for x in s] == [
+        "plain prompt",
+        [{"role": "user", "content": "as messages"}],
+        "with max",
+        [{"role": "user", "content": "m"}],
+    ]
     assert [x.output_len for x in s] == [None, None, 9, None]
-    assert [x.prompt for x in jsonl_samples(str(path), 6, 3)][4:] == ["plain prompt",
-                                                                      [{"role": "user", "content": "as messages"}]]
+    assert [x.prompt for x in jsonl_samples(str(path), 6, 3)][4:] == [
+        "plain prompt",
+        [{"role": "user", "content": "as messages"}],
+    ]
     assert {x.output_len for x in jsonl_samples(str(path), None, 3)} == {3}
 
 
-@pytest.mark.parametrize("line, msg", [
-    ("{not json", "line 2: not JSON"),
-    (json.dumps({"text": "x"}), "line 2: an object needs"),
-    (json.dumps({"prompt": "x", "max_tokens": 0}), "line 2: max_tokens"),
-    (json.dumps([{"content": "no role"}]), "line 2: messages"),
-])
+@pytest.mark.parametrize(
+    "line, msg",
+    [
+        ("{not json", "line 2: not JSON"),
+        (json.dumps({"text": "x"}), "line 2: an object needs"),
+        (json.dumps({"prompt": "x", "max_tokens": 0}), "line 2: max_tokens"),
+        (json.dumps([{"content": "no role"}]), "line 2: messages"),
+    ],
+)
 def test_jsonl_errors_name_the_line(tmp_path, line, msg):
     path = tmp_path / "w.jsonl"
     path.write_text(json.dumps("ok") + "\n" + line + "\n")

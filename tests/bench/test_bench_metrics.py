@@ -66,6 +66,13 @@ def test_failed_and_empty_requests():
     assert request_metrics(empty).error == NO_CONTENT_ERROR
 
 
+def test_eos_counted_in_usage_is_not_a_usage_warning():
+    eos = RequestRecord(0, 0.0, 1.0, (0.2, 0.4), 3, 3, 3)  # 2 text chunks + EOS
+    bundled = RequestRecord(1, 0.0, 1.0, (0.2, 0.4), 3, 3, 4)
+    s = summarize([eos, bundled], 1.0)
+    assert s["usage_warnings"]["more_than_chunks"] == 1
+
+
 def test_missing_usage_falls_back_to_chunk_count():
     rec = RequestRecord(0, 0.0, 1.0, (0.2, 0.4, 0.6), 11)
     m = request_metrics(rec)
@@ -124,6 +131,7 @@ def test_summary_peaks():
     assert s["max_concurrent_requests"] == 3
     # second 0: A 3 chunks + B 1 = 4 tokens; second 1: A 1 + D 2 chunks x 2 tokens = 5
     assert s["max_output_tokens_per_s"] == approx(5)
+    assert s["mean_concurrency"] == approx((1.2 + 0.4 + 0.5) / 2.0)
     assert peak_concurrency([A]) == 1
     back_to_back = [RequestRecord(0, 0.0, 1.0, (0.5,)), RequestRecord(1, 1.0, 2.0, (1.5,))]
     assert peak_concurrency(back_to_back) == 1
@@ -133,8 +141,14 @@ def test_summary_peaks():
 def test_warmup_is_excluded():
     with_w = summarize(TRACE, DURATION)
     without_w = summarize([A, B, C, D], DURATION)
-    for key in ("completed", "total_input_tokens", "mean_ttft_ms", "p99_e2el_ms",
-                "max_concurrent_requests", "max_output_tokens_per_s"):
+    for key in (
+        "completed",
+        "total_input_tokens",
+        "mean_ttft_ms",
+        "p99_e2el_ms",
+        "max_concurrent_requests",
+        "max_output_tokens_per_s",
+    ):
         assert with_w[key] == without_w[key], key
     assert len(with_w["ttfts"]) == 4
 

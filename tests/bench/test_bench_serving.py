@@ -41,7 +41,9 @@ def test_gamma_gaps_have_the_right_mean_and_spread(burstiness, cv):
 
 
 def test_arrivals_are_seeded():
-    assert arrival_times(10, 3.0, 1.0, random.Random(7)) == arrival_times(10, 3.0, 1.0, random.Random(7))
+    assert arrival_times(10, 3.0, 1.0, random.Random(7)) == arrival_times(
+        10, 3.0, 1.0, random.Random(7)
+    )
 
 
 def test_payloads():
@@ -52,7 +54,10 @@ def test_payloads():
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     assert chat.url == "http://h:1/v1/chat/completions"
     # The scenario's own temperature wins over the run's.
-    assert build_payload(chat, Sample([{"role": "user", "content": "x"}], 1, None, 0.0))["temperature"] == 0.0
+    assert (
+        build_payload(chat, Sample([{"role": "user", "content": "x"}], 1, None, 0.0))["temperature"]
+        == 0.0
+    )
     comp = ClientConfig("http://h:1", "completions", "m", api_key="k")
     body = build_payload(comp, Sample("p", 1, None))
     assert body["prompt"] == "p" and "max_tokens" not in body and "ignore_eos" not in body
@@ -67,8 +72,8 @@ def test_chunk_content():
     assert chunk_content({"choices": [], "usage": {"completion_tokens": 3}}, "chat") == ""
     assert chunk_content({"choices": [{"delta": {"content": "hi"}}]}, "chat") == "hi"
     assert chunk_content({"choices": [{"delta": {"reasoning_content": "hm"}}]}, "chat") == "hm"
-    tool = {"choices": [{"delta": {"tool_calls": [{"function": {"arguments": "{\"a\""}}]}}]}
-    assert chunk_content(tool, "chat") == "{\"a\""
+    tool = {"choices": [{"delta": {"tool_calls": [{"function": {"arguments": '{"a"'}}]}}]}
+    assert chunk_content(tool, "chat") == '{"a"'
     assert chunk_content({"choices": [{"text": "t"}]}, "completions") == "t"
 
 

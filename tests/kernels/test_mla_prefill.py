@@ -118,6 +118,7 @@ def _run(prefix_lens, new_lens, heads, page_size, dtype, config=SMALL, seed=0):
         (1, [0, 9], [7, 5]),  # fresh prompt + chunk after a prefix, page size 1
         (16, [21, 0, 40], [13, 18, 1]),  # mixed, a single new token (decode-like row)
         (64, [70], [11]),  # prefix spans two pages, chunk crosses the page boundary
+        (5, [12], [9]),  # page size not a power of two
     ],
 )
 def test_prefill_matches_reference(dtype, page_size, prefix_lens, new_lens):

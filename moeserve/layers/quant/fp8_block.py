@@ -18,7 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block
-from moeserve.layers.quant.base import LinearMethod, QuantConfig, UnquantizedLinearMethod, make_param
+from moeserve.layers.quant.base import (
+    LinearMethod,
+    QuantConfig,
+    UnquantizedLinearMethod,
+    make_param,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +110,11 @@ class Fp8BlockScheme(WeightScheme):
         return [
             TensorSpec("weight", (out_features, in_features), torch.float8_e4m3fn),
             TensorSpec(
-                "weight_scale_inv", (-(-out_features // b), -(-in_features // b)), torch.float32,
-                out_block=b, in_block=b,
+                "weight_scale_inv",
+                (-(-out_features // b), -(-in_features // b)),
+                torch.float32,
+                out_block=b,
+                in_block=b,
             ),
         ]
 

@@ -30,7 +30,9 @@ _CODES_PER_BYTE = 2
 
 def _check_k(in_features: int) -> None:
     if in_features % NVFP4_BLOCK:
-        raise ValueError(f"NVFP4 needs input features divisible by {NVFP4_BLOCK}, got {in_features}")
+        raise ValueError(
+            f"NVFP4 needs input features divisible by {NVFP4_BLOCK}, got {in_features}"
+        )
 
 
 class ModelOptNvfp4Scheme(WeightScheme):
@@ -43,11 +45,15 @@ class ModelOptNvfp4Scheme(WeightScheme):
         _check_k(in_features)
         specs = [
             TensorSpec(
-                "weight", (out_features, in_features // _CODES_PER_BYTE), torch.uint8,
+                "weight",
+                (out_features, in_features // _CODES_PER_BYTE),
+                torch.uint8,
                 in_block=_CODES_PER_BYTE,
             ),
             TensorSpec(
-                "weight_scale", (out_features, in_features // NVFP4_BLOCK), torch.float8_e4m3fn,
+                "weight_scale",
+                (out_features, in_features // NVFP4_BLOCK),
+                torch.float8_e4m3fn,
                 in_block=NVFP4_BLOCK,
             ),
             TensorSpec("weight_scale_2", (), torch.float32, None, None),
@@ -70,11 +76,15 @@ class CompressedTensorsNvfp4Scheme(WeightScheme):
         _check_k(in_features)
         specs = [
             TensorSpec(
-                "weight_packed", (out_features, in_features // _CODES_PER_BYTE), torch.uint8,
+                "weight_packed",
+                (out_features, in_features // _CODES_PER_BYTE),
+                torch.uint8,
                 in_block=_CODES_PER_BYTE,
             ),
             TensorSpec(
-                "weight_scale", (out_features, in_features // NVFP4_BLOCK), torch.float8_e4m3fn,
+                "weight_scale",
+                (out_features, in_features // NVFP4_BLOCK),
+                torch.float8_e4m3fn,
                 in_block=NVFP4_BLOCK,
             ),
             TensorSpec("weight_global_scale", (1,), torch.float32, None, None),
@@ -86,8 +96,9 @@ class CompressedTensorsNvfp4Scheme(WeightScheme):
         return specs
 
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        gs = 1.0 / t["weight_global_scale"].float().reshape(())
-        return dequantize_nvfp4(t["weight_packed"], t["weight_scale"], gs, dtype)
+        # published rule: divide by the (reciprocal) global scale
+        w = dequantize_nvfp4(t["weight_packed"], t["weight_scale"], 1.0, torch.float32)
+        return (w / t["weight_global_scale"].float().reshape(())).to(dtype)
 
 
 # ---- exclusion rules ----------------------------------------------------------------------
@@ -129,7 +140,7 @@ class _Nvfp4Config(QuantConfig):
         for a in self.aliases:
             names.append(a + prefix)
             if prefix.startswith("model."):
-                names.append(a + prefix[len("model."):])
+                names.append(a + prefix[len("model.") :])
         return names
 
     def _match(self, name: str) -> bool:

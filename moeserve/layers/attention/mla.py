@@ -1,0 +1,211 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3, Kimi) over a paged latent cache; torch (CPU) path.
+
+Cache contract: `kv_cache` [num_pages, page_size, kv_lora_rank + qk_rope_head_dim]; row =
+[normalised latent c | roped k_pe]; token t of a sequence at page block_table[t // page_size],
+offset t % page_size. FP8-E4M3 caches store row / kv_scale (one fp32 scale for the whole row,
+saturating at +-448) and dequantize as fp8 * kv_scale.
+
+Two mathematically equal forms:
+- expanded (prefill): keys/values per head from kv_b_proj(c): k = [k_nope | k_pe], v;
+- absorbed (decode): q_latent = q_nope @ W_UK (per head [nope, kv_lora]); scores against the
+  576-wide cached rows directly; out = (p @ c) @ W_UV^T. One KV head for all query heads.
+RoPE is DeepSeek's interleaved pairing on the rope dims (HF de-interleaves q and k the same
+way; dot products are identical).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.dist.parallel import SINGLE, TPGroup
+from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
+from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.quant.base import QuantConfig, make_param
+from moeserve.layers.quant.fp8_block import dense_weight
+from moeserve.layers.rotary import RotaryEmbedding, yarn_mscale
+
+FP8_E4M3_MAX = 448.0
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """(qk_nope + qk_rope)^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = cfg.qk_head_dim**-0.5
+    rs = cfg.rope_scaling
+    if rs is not None and rs.type == "yarn" and rs.mscale_all_dim:
+        scale *= yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
+    return scale
+
+
+class MLAAttention(nn.Module):
+    """Projections, RoPE and paged attention of one MLA layer (`self_attn`)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        rotary: RotaryEmbedding,
+        quant: QuantConfig | None = None,
+        tp: TPGroup = SINGLE,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.num_heads = tp.shard(cfg.num_attention_heads)
+        self.nope = cfg.qk_nope_head_dim
+        self.rope = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.q_lora = cfg.q_lora_rank
+        self.scale = mla_softmax_scale(cfg)
+        self.rotary = [rotary]  # shared by all layers; a list keeps it out of state_dict
+        heads, h = cfg.num_attention_heads, cfg.hidden_size
+        kw = dict(quant=quant, tp=tp, dtype=dtype)
+        if self.q_lora:
+            self.q_a_proj = ReplicatedLinear(
+                h, self.q_lora, bias=cfg.attention_bias, prefix=f"{prefix}.q_a_proj", **kw
+            )
+            self.q_a_layernorm = RMSNorm(self.q_lora, cfg.rms_norm_eps, dtype)
+            self.q_b_proj = ColumnParallelLinear(
+                self.q_lora, heads * cfg.qk_head_dim, prefix=f"{prefix}.q_b_proj", **kw
+            )
+        else:
+            self.q_proj = ColumnParallelLinear(
+                h, heads * cfg.qk_head_dim, prefix=f"{prefix}.q_proj", **kw
+            )
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            h,
+            self.kv_lora + self.rope,
+            bias=cfg.attention_bias,
+            prefix=f"{prefix}.kv_a_proj_with_mqa",
+            **kw,
+        )
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.rms_norm_eps, dtype)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora, heads * (self.nope + self.v_dim), prefix=f"{prefix}.kv_b_proj", **kw
+        )
+        self.o_proj = RowParallelLinear(
+            heads * self.v_dim, h, bias=cfg.attention_bias, prefix=f"{prefix}.o_proj", **kw
+        )
+        # FP8 cache scale (checkpoint k_scale / v_scale; absent -> 1.0)
+        self.kv_scale = make_param(torch.ones(1), None, None)
+        self.kv_scale.optional = True
+        self.kv_scale.weight_loader = self._load_kv_scale
+        self._kv_scale_loaded = False
+        self.kv_cache = torch.empty(0)
+
+    # ---- cache contract used by the runner ------------------------------------------------
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora + self.rope
+
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.latent_dim * dtype.itemsize
+
+    def bind_kv_cache(
+        self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        self.kv_cache = torch.zeros(
+            (num_pages, page_size, self.latent_dim), dtype=dtype, device=device
+        )
+
+    def _load_kv_scale(self, param: nn.Parameter, w: torch.Tensor, shard_id: object = None) -> None:
+        # k_scale and v_scale both describe the one latent row: keep the larger
+        value = w.float().reshape(-1)[:1]
+        if self._kv_scale_loaded:
+            value = torch.maximum(value, param.data)
+        param.data.copy_(value)
+        self._kv_scale_loaded = True
+
+    # ---- cache I/O ---------------------------------------------------------------------------
+    def _write(self, c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor) -> None:
+        keep = slots >= 0  # negative slot: padding token, not stored
+        rows = torch.cat([c, k_pe], dim=-1)[keep].float()
+        if self.kv_cache.dtype == torch.float8_e4m3fn:
+            rows = (rows / self.kv_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        rows = rows.to(self.kv_cache.dtype)
+        flat = self.kv_cache.view(-1, self.latent_dim)
+        if flat.dtype == torch.float8_e4m3fn:  # no fp8 index_copy on the CPU: copy the bytes
+            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+        flat.index_copy_(0, slots[keep], rows)
+
+    def _dequant(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if rows.dtype == torch.float8_e4m3fn:
+            return (rows.float() * self.kv_scale).to(dtype)
+        return rows.to(dtype)
+
+    def _gather(
+        self, table: torch.Tensor, n: int, page_size: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        pages = table[: -(-n // page_size)].long()
+        return self._dequant(self.kv_cache[pages].flatten(0, 1)[:n], dtype)
+
+    # ---- compute -------------------------------------------------------------------------------
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(tokens, self.num_heads, self.nope + self.rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        c = self.kv_a_layernorm(c.contiguous())
+        q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe.unsqueeze(1))
+        k_pe = k_pe.squeeze(1)
+        md = ctx.attn
+        self._write(c, k_pe, md.slot_mapping)
+        if md.is_decode_only:
+            o = self._absorbed(q_nope, q_pe, md)
+        else:
+            o = self._expanded(q_nope, q_pe, md)
+        return self.o_proj(o.flatten(1))
+
+    def _expanded(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """Per sequence: expand its cached latents to per-head keys/values, causal SDPA."""
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        start = 0
+        for b, (qlen, slen) in enumerate(zip(md.query_lens_host, md.seq_lens_host, strict=True)):
+            rows = self._gather(md.block_tables[b], slen, md.page_size, q.dtype)
+            kv = self.kv_b_proj(rows[:, : self.kv_lora]).view(slen, self.num_heads, -1)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+            k_pe = rows[:, None, self.kv_lora :].expand(slen, self.num_heads, self.rope)
+            k = torch.cat([k_nope, k_pe], dim=-1)
+            # query i sits at absolute position slen - qlen + i and sees keys <= it
+            mask = torch.ones(qlen, slen, dtype=torch.bool, device=q.device).tril(slen - qlen)
+            o = F.scaled_dot_product_attention(
+                q[start : start + qlen].transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=mask,
+                scale=self.scale,
+            )
+            out[start : start + qlen] = o.transpose(0, 1)
+            start += qlen
+        return out
+
+    def _absorbed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """One query per sequence, attending the 576-wide latent rows directly (MQA)."""
+        dtype = q_nope.dtype
+        w = dense_weight(self.kv_b_proj, dtype).view(self.num_heads, self.nope + self.v_dim, -1)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [h, nope, L], [h, v, L]
+        q_lat = torch.einsum("bhd,hdl->bhl", q_nope, w_uk)
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [B, h, L + R]
+        length, ps = md.max_seq_len, md.page_size
+        pages = md.block_tables[:, : -(-length // ps)].long()
+        rows = self._dequant(self.kv_cache[pages].flatten(1, 2)[:, :length], dtype)  # [B, n, L+R]
+        scores = torch.einsum("bhd,bnd->bhn", q, rows).float() * self.scale
+        valid = torch.arange(length, device=q.device)[None, :] < md.seq_lens[:, None]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        p = scores.softmax(dim=-1).to(dtype)
+        o_lat = torch.einsum("bhn,bnl->bhl", p, rows[..., : self.kv_lora])
+        return torch.einsum("bhl,hvl->bhv", o_lat, w_uv)

@@ -1,0 +1,209 @@
+"""DeepSeek-V3 / R1, Kimi-K2 / K2.5 (text) and Moonlight: MLA attention + routed experts.
+
+Checkpoint names handled by `load_weights`:
+- the text model under `cfg.weight_prefix` (Kimi-K2.5: `language_model.`), with or without
+  the `.model.` level (NVIDIA's NVFP4 export drops it);
+- `vision_tower.*` / `mm_projector.*` (Kimi-K2.5) and MTP layers (index >= num_hidden_layers)
+  are skipped, each with one log line;
+- per-expert tensors `mlp.experts.{e}.{proj}.{suffix}` and transformers-5 stacked ones
+  (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`);
+- FP8-cache scales `self_attn.*.{k,v}_scale` -> the layer's `kv_scale`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.dist.parallel import SINGLE, TPGroup
+from moeserve.layers.attention.metadata import ForwardContext
+from moeserve.layers.attention.mla import MLAAttention
+from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from moeserve.layers.moe import DeepseekMLP, DeepseekMoE
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.quant.base import QuantConfig
+from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.models.weights import finish_loading
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_KV_SCALE = re.compile(r"\.self_attn\..*\b[kv]_scale$")
+_SKIPPED_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        idx: int,
+        rotary: RotaryEmbedding,
+        quant: QuantConfig | None,
+        tp: TPGroup,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        prefix = f"model.layers.{idx}"
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = MLAAttention(cfg, f"{prefix}.self_attn", rotary, quant, tp, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.is_moe_layer(idx):
+            self.mlp: nn.Module = DeepseekMoE(cfg, f"{prefix}.mlp", quant, tp, dtype)
+        else:
+            self.mlp = DeepseekMLP(
+                cfg.hidden_size, cfg.intermediate_size, f"{prefix}.mlp", quant, tp, dtype
+            )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, quant: QuantConfig | None, tp: TPGroup, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        # one RoPE table for all layers (YaRN tables cover factor * original positions)
+        self.rotary = RotaryEmbedding(
+            cfg.qk_rope_head_dim,
+            cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            interleaved=True,
+        )
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(cfg, i, self.rotary, quant, tp, dtype)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        x, residual = self.embed_tokens(ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """Implements the model contract of `moeserve.models.llama.LlamaForCausalLM`."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        quant: QuantConfig | None = None,
+        tp: TPGroup = SINGLE,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DeepseekV3Model(cfg, quant, tp, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.model(ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[MLAAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    # ---- weights -------------------------------------------------------------------------------
+    def checkpoint_name_to_model(self, name: str) -> str | None:
+        """A checkpoint tensor name in this model's name space (None: not a text-model tensor)."""
+        prefix = self.config.weight_prefix
+        if prefix:
+            if not name.startswith(prefix):
+                return None
+            name = name[len(prefix) :]
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name  # Kimi-K2.5 NVFP4 export: language_model.layers.N...
+        return name
+
+    def _route(
+        self, weights: Iterable[tuple[str, torch.Tensor]], skipped: dict[str, int]
+    ) -> Iterator[tuple[str, torch.Tensor, int | None]]:
+        """(model param name, tensor, shard id) for every tensor this model takes."""
+        n_layers = self.config.num_hidden_layers
+        for ckpt_name, tensor in weights:
+            if ckpt_name.startswith(_SKIPPED_TOWERS) or "rotary_emb.inv_freq" in ckpt_name:
+                skipped["vision"] += ckpt_name.startswith(_SKIPPED_TOWERS)
+                continue
+            name = self.checkpoint_name_to_model(ckpt_name)
+            if name is None:
+                skipped["other"] += 1
+                continue
+            m = _LAYER.match(name)
+            if m and int(m.group(1)) >= n_layers:
+                skipped["layers"] += 1  # MTP layers, or layers cut by --num-layers
+                continue
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if _KV_SCALE.search(name):
+                yield name[: name.index(".self_attn.")] + ".self_attn.kv_scale", tensor, None
+                continue
+            e = _EXPERT.search(name)
+            if e:
+                yield _EXPERT.sub(".mlp.experts.", name), tensor, int(e.group(1))
+                continue
+            if name.endswith(".mlp.experts.gate_up_proj"):
+                half = tensor.shape[1] // 2
+                yield name.replace("gate_up_proj", "gate_proj.weight"), tensor[:, :half], None
+                yield name.replace("gate_up_proj", "up_proj.weight"), tensor[:, half:], None
+                continue
+            if name.endswith(".mlp.experts.down_proj"):
+                yield name + ".weight", tensor, None
+                continue
+            yield name, tensor, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        skipped = {"vision": 0, "layers": 0, "other": 0}
+        loaded: set[str] = set()
+        for name, tensor, shard in self._route(weights, skipped):
+            param = params.get(name)
+            if param is None:
+                raise KeyError(f"checkpoint tensor {name!r} matches no parameter")
+            if shard is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+            loaded.add(name)
+        if skipped["vision"]:
+            log.info(
+                "skipped %d vision-tower / projector tensors (text-only serving)", skipped["vision"]
+            )
+        if skipped["layers"]:
+            log.info(
+                "skipped %d tensors of layers >= %d (MTP / cut layers)",
+                skipped["layers"],
+                self.config.num_hidden_layers,
+            )
+        finish_loading(self)
+        return loaded

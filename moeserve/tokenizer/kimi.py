@@ -1,0 +1,204 @@
+"""The Kimi (Moonshot) tokenizer on tiktoken, and the Kimi-K2/K2.5 chat format.
+
+Files: `tiktoken.model` (one `base64(token bytes) rank` per line) and tokenizer_config.json
+(`added_tokens_decoder` gives the special tokens and their ids, `bos_token`/`eos_token`).
+Pre-tokenizer: the published `pat_str` of tokenization_kimi.py (Han runs, letter runs with
+case classes and English contractions, 1-3 digits, punctuation runs, newlines, spaces).
+Special tokens in the text are encoded as single ids (the reference allows all of them).
+Nothing from the checkpoint folder is executed.
+
+Chat format (rendered here, not by the folder's Jinja template):
+    [<|im_system|>tool_declare<|im_middle|>{tools json}<|im_end|>]
+    <|im_system|>system<|im_middle|>{system or the default}<|im_end|>
+    <|im_user|>user<|im_middle|>{content}<|im_end|>
+    <|im_assistant|>assistant<|im_middle|><think>{reasoning}</think>{content}
+        [<|tool_calls_section_begin|><|tool_call_begin|>{id}<|tool_call_argument_begin|>{args}
+         <|tool_call_end|>...<|tool_calls_section_end|>]<|im_end|>
+    <|im_system|>tool<|im_middle|>## Return of {tool_call_id}\n{content}<|im_end|>
+    generation prompt: <|im_assistant|>assistant<|im_middle|> then `<think>` (thinking on)
+    or `<think></think>` (off).
+Assistant turns before the last user turn keep an empty `<think></think>`; later ones (the
+current tool-calling round) keep their reasoning. Tool call ids default to
+`functions.NAME:IDX`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from typing import Any
+
+import tiktoken
+
+PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+NUM_RESERVED_SPECIAL_TOKENS = 256
+
+
+def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok)] = int(rank)
+    return ranks
+
+
+def _content_text(content: Any) -> str:
+    """OpenAI content: a string, None, or a list of parts (text parts joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(
+        p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+    )
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class KimiTokenizer:
+    """Implements `moeserve.tokenizer.base.Tokenizer` for Kimi-K2 / K2.5 / Moonlight."""
+
+    def __init__(self, folder: str) -> None:
+        ranks = load_tiktoken_ranks(os.path.join(folder, "tiktoken.model"))
+        cfg_path = os.path.join(folder, "tokenizer_config.json")
+        cfg: dict[str, Any] = {}
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        specials: dict[str, int] = {}
+        for sid, info in (cfg.get("added_tokens_decoder") or {}).items():
+            specials[info["content"] if isinstance(info, dict) else str(info)] = int(sid)
+        if not specials:  # no config: the published layout of reserved tokens after the ranks
+            base = len(ranks)
+            specials = {
+                f"<|reserved_token_{k}|>": base + k for k in range(NUM_RESERVED_SPECIAL_TOKENS)
+            }
+        self._enc = tiktoken.Encoding(
+            name=os.path.basename(os.path.abspath(folder)) or "kimi",
+            pat_str=PAT_STR,
+            mergeable_ranks=ranks,
+            special_tokens=specials,
+        )
+        self.special_tokens = specials
+        self.all_special_ids = set(specials.values())
+        self._id_to_special = {i: t for t, i in specials.items()}
+        self.vocab_size = max(len(ranks), max(specials.values(), default=0) + 1)
+        self.bos_token = _token_str(cfg.get("bos_token")) or "[BOS]"
+        self.eos_token = _token_str(cfg.get("eos_token")) or "<|im_end|>"
+        self.pad_token = _token_str(cfg.get("pad_token"))
+        self.bos_token_id = specials.get(self.bos_token)
+        self.eos_token_id = specials.get(self.eos_token)
+        self.chat_template = cfg.get("chat_template") or "kimi"
+
+    # ---- text <-> ids ----------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # the reference tokenizer adds no BOS; special tokens in the text are single ids
+        del add_special_tokens
+        return self._enc.encode(text, allowed_special="all", disallowed_special=())
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.all_special_ids]
+        return self._enc.decode(list(ids), errors="replace")
+
+    def id_to_token(self, token_id: int) -> str:
+        if token_id in self._id_to_special:
+            return self._id_to_special[token_id]
+        return self._enc.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._enc.decode_single_token_bytes(token_id)
+
+    # ---- chat ----------------------------------------------------------------------------
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        thinking = kwargs.get("thinking", kwargs.get("enable_thinking", True))
+        return render_kimi_chat(messages, tools, add_generation_prompt, bool(thinking))
+
+
+def _tool_calls(calls: list[dict[str, Any]]) -> str:
+    out = ["<|tool_calls_section_begin|>"]
+    for i, call in enumerate(calls):
+        fn = call.get("function") or {}
+        cid = call.get("id") or f"functions.{fn.get('name', '')}:{i}"
+        args = fn.get("arguments", "")
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        out.append(f"<|tool_call_begin|>{cid}<|tool_call_argument_begin|>{args}<|tool_call_end|>")
+    out.append("<|tool_calls_section_end|>")
+    return "".join(out)
+
+
+def render_kimi_chat(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    thinking: bool = True,
+) -> str:
+    parts: list[str] = []
+    if tools:
+        parts.append(
+            "<|im_system|>tool_declare<|im_middle|>"
+            + json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
+            + "<|im_end|>"
+        )
+    if not messages or messages[0].get("role") != "system":
+        parts.append(f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM}<|im_end|>")
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        content = _content_text(m.get("content"))
+        if role == "system":
+            parts.append(
+                f"<|im_system|>{m.get('name') or 'system'}<|im_middle|>{content}<|im_end|>"
+            )
+        elif role == "user":
+            parts.append(f"<|im_user|>{m.get('name') or 'user'}<|im_middle|>{content}<|im_end|>")
+        elif role == "assistant":
+            reasoning = m.get("reasoning_content") or m.get("reasoning") or ""
+            if "</think>" in content:  # reasoning given inline
+                head, content = content.split("</think>", 1)
+                reasoning = reasoning or head.replace("<think>", "").strip()
+            if i < last_user:
+                reasoning = ""
+            text = f"<think>{reasoning}</think>{content}"
+            if m.get("tool_calls"):
+                text += _tool_calls(m["tool_calls"])
+            parts.append(
+                f"<|im_assistant|>{m.get('name') or 'assistant'}<|im_middle|>{text}<|im_end|>"
+            )
+        elif role == "tool":
+            cid = m.get("tool_call_id", "")
+            parts.append(f"<|im_system|>tool<|im_middle|>## Return of {cid}\n{content}<|im_end|>")
+        else:
+            raise ValueError(f"unsupported chat role {role!r}")
+    if add_generation_prompt:
+        parts.append("<|im_assistant|>assistant<|im_middle|>")
+        parts.append("<think>" if thinking else "<think></think>")
+    return "".join(parts)

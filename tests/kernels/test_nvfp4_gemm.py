@@ -1,0 +1,204 @@
+"""NVFP4 helpers and the W4A16 Triton GEMM (CPU interpreter) against independent oracles."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is imported
+
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from moeserve.kernels import nvfp4_gemm as nv  # noqa: E402
+from moeserve.kernels.select import select_kernel  # noqa: E402
+
+# Hand-written E2M1 table (OCP MX spec): code -> value, sign in bit 3.
+E2M1 = {
+    0: 0.0,
+    1: 0.5,
+    2: 1.0,
+    3: 1.5,
+    4: 2.0,
+    5: 3.0,
+    6: 4.0,
+    7: 6.0,
+    8: -0.0,
+    9: -0.5,
+    10: -1.0,
+    11: -1.5,
+    12: -2.0,
+    13: -3.0,
+    14: -4.0,
+    15: -6.0,
+}
+GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def e2m1_oracle(v: float) -> int:
+    """Nearest grid point by brute force, ties to the even index, saturating at 6."""
+    a = min(abs(v), 6.0)
+    d = [abs(a - g) for g in GRID]
+    best = min(d)
+    idx = [i for i, di in enumerate(d) if di == best]
+    i = idx[0] if len(idx) == 1 else next(j for j in idx if j % 2 == 0)
+    return i | (8 if v < 0 and i else 0)
+
+
+def test_table_and_unpack_order():
+    assert nv.e2m1_table().tolist() == [E2M1[c] for c in range(16)]
+    # byte 0x9A: low nibble 0xA (-1.0) is element 0, high nibble 0x9 (-0.5) element 1
+    packed = torch.tensor([[0x9A, 0x07]], dtype=torch.uint8).repeat(1, 4)
+    scale = torch.full((1, 1), 2.0).to(torch.float8_e4m3fn)
+    w = nv.dequantize_nvfp4(packed, scale, 0.5, torch.float32)
+    assert w[0, :4].tolist() == [-1.0, -0.5, 6.0, 0.0]
+
+
+def test_quantizer_rounding_matches_oracle():
+    torch.manual_seed(0)
+    w = torch.randn(8, 64)
+    w[0, :16] = torch.tensor(
+        [
+            0.25,
+            0.75,
+            1.25,
+            1.75,
+            2.5,
+            3.5,
+            5.0,
+            6.0,
+            -0.25,
+            -0.75,
+            -1.25,
+            -1.75,
+            -2.5,
+            -3.5,
+            -5.0,
+            0.1,
+        ]
+    )
+    packed, scale, gs = nv.quantize_nvfp4(w)
+    assert gs.item() == pytest.approx(w.abs().max().item() / (6 * 448))
+    codes = nv.unpack_e2m1_codes(packed)
+    bmax = w.abs().unflatten(1, (-1, 16)).amax(-1)
+    want_scale = (bmax / (6 * gs)).to(torch.float8_e4m3fn).float()
+    assert torch.equal(scale.float(), want_scale)
+    for n in range(w.shape[0]):
+        for k in range(w.shape[1]):
+            q = (w[n, k] / (scale[n, k // 16].float() * gs)).item()  # fp32, as the spec computes
+            assert codes[n, k].item() == e2m1_oracle(q), (n, k, q)
+
+
+def test_quantizer_tie_rounding_exact():
+    # Row whose block amax is 6 so that block scale*global = 1: the ties are exact.
+    ties = torch.tensor(
+        [
+            0.25,
+            0.75,
+            1.25,
+            1.75,
+            2.5,
+            3.5,
+            5.0,
+            6.0,
+            -0.25,
+            -0.75,
+            -1.25,
+            -1.75,
+            -2.5,
+            -3.5,
+            -5.0,
+            -6.0,
+        ]
+    )
+    packed, scale, gs = nv.quantize_nvfp4(ties[None, :])
+    assert scale.float().item() * gs.item() == pytest.approx(1.0, rel=1e-6)
+    deq = nv.dequantize_nvfp4(packed, scale, gs, torch.float32)[0]
+    want = torch.tensor(
+        [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0, -6.0]
+    )
+    torch.testing.assert_close(deq, want, rtol=1e-6, atol=1e-6)
+
+
+def test_round_trip_exact_on_grid():
+    torch.manual_seed(1)
+    codes = torch.randint(0, 16, (6, 32), dtype=torch.uint8)
+    codes[:, 0] = 7  # every block holds a 6 so the block amax pins the scale
+    codes[:, 16] = 15
+    block = torch.tensor([1.0, 0.5, 2.0, 0.25, 4.0, 1.0])[:, None].repeat(1, 2)
+    w = nv.e2m1_table()[codes.long()] * block.repeat_interleave(16, 1)
+    packed, scale, gs = nv.quantize_nvfp4(w)
+    torch.testing.assert_close(
+        nv.dequantize_nvfp4(packed, scale, gs, torch.float32), w, rtol=1e-6, atol=0
+    )
+
+
+def test_zero_tensor_and_zero_block():
+    w = torch.zeros(2, 32)
+    w[1, 20] = 3.0
+    packed, scale, gs = nv.quantize_nvfp4(w)
+    assert torch.isfinite(gs) and gs.item() > 0
+    assert scale.float()[0].tolist() == [1.0, 1.0]
+    torch.testing.assert_close(nv.dequantize_nvfp4(packed, scale, gs, torch.float32), w)
+
+
+def _case(m, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    return x, *nv.quantize_nvfp4(w)
+
+
+def _assert_matches_ref(y, x, packed, scale, gs):
+    ref = nv.nvfp4_gemm_ref(x, packed, scale, gs).float()
+    torch.testing.assert_close(y.float(), ref, rtol=1.6e-2, atol=1e-2 * ref.abs().max().item())
+
+
+SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize(
+    "m,n,k,cfg",
+    [
+        (1, 40, 96, None),  # default decode config, N and K not tile multiples, split-K auto
+        (
+            3,
+            70,
+            160,
+            dict(SMALL, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2),
+        ),  # split-K with a ragged last split
+        (20, 33, 48, SMALL),  # M spans two tiles, N ragged
+        (5, 24, 528, dict(SMALL, SPLIT_K=5)),  # K = 33 groups of 16
+    ],
+)
+def test_triton_gemm_matches_reference(m, n, k, cfg):
+    x, packed, scale, gs = _case(m, n, k)
+    _assert_matches_ref(nv.nvfp4_gemm(x, packed, scale, gs, config=cfg), x, packed, scale, gs)
+
+
+def test_splitk_workspace_left_zero_and_reusable():
+    x, packed, scale, gs = _case(2, 48, 256, seed=3)
+    ws = nv.SplitKWorkspace.create(2 * 48, 64, "cpu")
+    cfg = dict(SMALL, SPLIT_K=4)
+    out = torch.empty(2, 48, dtype=torch.bfloat16)
+    y1 = nv.nvfp4_gemm(x, packed, scale, gs, out=out, workspace=ws, config=cfg).clone()
+    assert not ws.partial.any() and not ws.locks.any()
+    y2 = nv.nvfp4_gemm(x, packed, scale, gs, out=out, workspace=ws, config=cfg)
+    torch.testing.assert_close(y1, y2, rtol=0, atol=0)
+    _assert_matches_ref(y2, x, packed, scale, gs)
+
+
+def test_bad_shapes_rejected():
+    x, packed, scale, gs = _case(1, 16, 32)
+    with pytest.raises(ValueError):
+        nv.nvfp4_gemm(x[:, :16], packed, scale, gs)
+    with pytest.raises(ValueError):
+        nv.nvfp4_gemm(x, packed, scale[:, :1].contiguous(), gs)
+
+
+def test_select_kernel(caplog):
+    assert select_kernel("cpu") == "torch"
+    assert select_kernel("cuda", capability=(9, 0)) == "triton_w4a16"
+    assert select_kernel("cuda", capability=(7, 5)) == "torch"
+    with caplog.at_level(logging.INFO, logger="moeserve.kernels.select"):
+        assert select_kernel("cuda", capability=(10, 0)) == "triton_w4a16"
+    assert sum("blackwell_fp4" in r.getMessage() for r in caplog.records) == 1

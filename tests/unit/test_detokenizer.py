@@ -1,0 +1,40 @@
+from moeserve.engine.detokenizer import IncrementalDetokenizer
+from moeserve.sampling import SamplingParams
+
+
+class ByteTok:
+    """Each id is one byte; decode shows U+FFFD for an incomplete UTF-8 tail (like real ones)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _run(text: str, **kw):
+    d = IncrementalDetokenizer(ByteTok(), [], SamplingParams(**kw))
+    pieces, stop = [], None
+    for b in text.encode():
+        piece, stop = d.add(b)
+        pieces.append(piece)
+        if stop is not None:
+            break
+    if stop is None:
+        pieces.append(d.flush())
+    return pieces, stop
+
+
+def test_never_emits_half_a_character():
+    pieces, _ = _run("aé€😀b")
+    assert "".join(pieces) == "aé€😀b"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_split_across_tokens_is_not_emitted():
+    pieces, stop = _run("hello STOP world", stop=("STOP",))
+    assert stop == "STOP" and "".join(pieces) == "hello "
+    # the partial "ST", "STO" were held back, never emitted
+    assert not any("S" in p for p in pieces)
+
+
+def test_include_stop_and_false_alarm():
+    pieces, stop = _run("a STAR b STOP", stop=("STOP",), include_stop_str_in_output=True)
+    assert "".join(pieces) == "a STAR b STOP" and stop == "STOP"
