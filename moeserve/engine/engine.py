@@ -62,9 +62,7 @@ class LLMEngine:
         cache = config.cache
         per_token = ModelRunner.kv_bytes_per_token(loaded)
         self.num_pages = cache.num_pages or _auto_num_pages(config, per_token)
-        self.max_model_len = min(
-            config.scheduler.max_model_len, self.num_pages * cache.page_size
-        )
+        self.max_model_len = min(config.scheduler.max_model_len, self.num_pages * cache.page_size)
         self.allocator = PageAllocator(self.num_pages, cache.page_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.allocator)
         self.runner = ModelRunner(loaded, config.device, self.num_pages, cache.page_size)
@@ -178,9 +176,7 @@ class LLMEngine:
         self.metrics.on_finish(req.finish_reason or "stop")
         return self._output(live, text, tokens, finished=True)
 
-    def _output(
-        self, live: _Live, text: str, tokens: list[int], finished: bool
-    ) -> RequestOutput:
+    def _output(self, live: _Live, text: str, tokens: list[int], finished: bool) -> RequestOutput:
         req = live.req
         lps = None
         if req.params.logprobs is not None:
@@ -221,8 +217,10 @@ def _auto_num_pages(config: EngineConfig, bytes_per_token: int) -> int:
         budget = int(free * config.cache.memory_fraction)
     else:
         budget = int(
-            min(_available_ram() * config.cache.cpu_memory_fraction,
-                config.cache.cpu_max_kv_gib * (1 << 30))
+            min(
+                _available_ram() * config.cache.cpu_memory_fraction,
+                config.cache.cpu_max_kv_gib * (1 << 30),
+            )
         )
     pages = min(-(-want_tokens // page), max(1, budget // max(1, bytes_per_token * page)))
     return max(pages, 1)
@@ -264,8 +262,13 @@ def build_engine(
     torch.manual_seed(seed)
     torch_dtype = parse_dtype(dtype, torch.float32, device)
     loaded = load_model(
-        model, torch_dtype, device, quantize=quantization, kv_cache_dtype=kv_cache_dtype,
-        num_layers=num_layers, load_format=load_format,
+        model,
+        torch_dtype,
+        device,
+        quantize=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+        num_layers=num_layers,
+        load_format=load_format,
     )
     mcfg: ModelConfig = loaded.config
     max_len = max_model_len or mcfg.max_position_embeddings
@@ -273,7 +276,9 @@ def build_engine(
         model=model or "default",
         model_config=mcfg,
         cache=CacheConfig(
-            page_size=page_size, num_pages=num_pages, kv_cache_dtype=kv_cache_dtype,
+            page_size=page_size,
+            num_pages=num_pages,
+            kv_cache_dtype=kv_cache_dtype,
             enable_prefix_caching=enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
@@ -429,7 +434,8 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         ids_list = [
-            p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts  # type: ignore[arg-type]
+            p if isinstance(p, list) else self.tokenizer.encode(p)
+            for p in prompts  # type: ignore[arg-type]
         ]
         rids = []
         for ids in ids_list:
@@ -437,7 +443,9 @@ class LLM:
             self._counter += 1
             self.engine.add_request(rid, ids, params)
             rids.append(rid)
-        acc = {r: Completion("", [], None, [] if params.logprobs is not None else None) for r in rids}
+        acc = {
+            r: Completion("", [], None, [] if params.logprobs is not None else None) for r in rids
+        }
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 c = acc[out.request_id]

@@ -38,7 +38,12 @@ class EngineMetrics:
         self.finished[reason] += 1
 
     def render(
-        self, running: int, waiting: int, pages_used: int, pages_total: int, prefix: PrefixCacheStats
+        self,
+        running: int,
+        waiting: int,
+        pages_used: int,
+        pages_total: int,
+        prefix: PrefixCacheStats,
     ) -> str:
         lines: list[str] = []
 
@@ -52,19 +57,47 @@ class EngineMetrics:
         metric("generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens)
         metric("requests_total", "counter", "Requests accepted by the engine.", self.requests)
         for reason in ("stop", "length", "abort"):
-            metric("requests_finished_total", "counter", "Requests finished, by reason.",
-                   self.finished[reason], f'{{finish_reason="{reason}"}}')
-        metric("num_preemptions_total", "counter", "Requests preempted (recomputed later).",
-               self.preemptions)
-        metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-               prefix.queries)
-        metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
-               prefix.hits)
+            metric(
+                "requests_finished_total",
+                "counter",
+                "Requests finished, by reason.",
+                self.finished[reason],
+                f'{{finish_reason="{reason}"}}',
+            )
+        metric(
+            "num_preemptions_total",
+            "counter",
+            "Requests preempted (recomputed later).",
+            self.preemptions,
+        )
+        metric(
+            "prefix_cache_queries_total",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            prefix.queries,
+        )
+        metric(
+            "prefix_cache_hits_total",
+            "counter",
+            "Prompt tokens served from the prefix cache.",
+            prefix.hits,
+        )
         metric("num_requests_running", "gauge", "Requests in the running batch.", running)
         metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", waiting)
-        metric("kv_cache_usage_ratio", "gauge", "Share of KV cache pages in use.",
-               pages_used / max(1, pages_total))
+        metric(
+            "kv_cache_usage_ratio",
+            "gauge",
+            "Share of KV cache pages in use.",
+            pages_used / max(1, pages_total),
+        )
         metric("engine_steps_total", "counter", "Engine steps run.", self.steps)
-        metric("engine_step_seconds_total", "counter", "Time spent in model steps.", self.step_seconds)
-        metric("batched_tokens_total", "counter", "Tokens computed in model steps.", self.batched_tokens)
+        metric(
+            "engine_step_seconds_total", "counter", "Time spent in model steps.", self.step_seconds
+        )
+        metric(
+            "batched_tokens_total",
+            "counter",
+            "Tokens computed in model steps.",
+            self.batched_tokens,
+        )
         return "\n".join(lines) + "\n"

@@ -142,7 +142,10 @@ class ModelRunner:
                 chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
                 if k:
                     tv, ti = logp.topk(k, dim=-1)
-                    tops = [list(zip(a, b, strict=True)) for a, b in zip(ti.tolist(), tv.tolist(), strict=True)]
+                    tops = [
+                        list(zip(a, b, strict=True))
+                        for a, b in zip(ti.tolist(), tv.tolist(), strict=True)
+                    ]
                 else:
                     tops = [[] for _ in chosen]
                 for tok, lp, top in zip(targets.tolist(), chosen, tops, strict=True):

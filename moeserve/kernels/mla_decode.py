@@ -76,6 +76,8 @@ class MLADecodeConfig:
     vsplit: int = 1
     # CTAs of this config resident per SM (sets the split heuristic's wave size).
     ctas_per_sm: int = 1
+    # Load tile t+1 into registers while tile t is computed (use with num_stages=1).
+    prefetch: bool = False
 
 
 DEFAULT_CONFIG = MLADecodeConfig()
@@ -144,6 +146,45 @@ def default_num_splits(
 
 
 @triton.jit
+def _load_kv_tile(
+    kv_ptr,
+    bt_row,
+    tile,
+    tok_limit,  # tokens >= this are masked (0 masks the whole tile: no memory traffic)
+    page_size,
+    stride_kv_page,
+    stride_kv_tok,
+    offs_n,
+    offs_own,
+    offs_oth,
+    offs_r,
+    BLOCK_N: tl.constexpr,
+    D_LAT: tl.constexpr,
+    VSPLIT: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
+):
+    """Rows of tile ``tile`` through the block table: (own latent cols, rope, other cols)."""
+    tok = tile * BLOCK_N + offs_n
+    mask_n = tok < tok_limit
+    if TILE_IN_PAGE:
+        # page_size % BLOCK_N == 0: one page per tile, a scalar lookup and provably
+        # consecutive rows.
+        start = tile * BLOCK_N
+        page = tl.load(bt_row + start // page_size, mask=start < tok_limit, other=0)
+        row = page.to(tl.int64) * stride_kv_page + (start % page_size + offs_n) * stride_kv_tok
+    else:
+        page = tl.load(bt_row + tok // page_size, mask=mask_n, other=0)
+        row = page.to(tl.int64) * stride_kv_page + (tok % page_size) * stride_kv_tok
+    k_own = tl.load(kv_ptr + row[:, None] + offs_own[None, :], mask=mask_n[:, None], other=0.0)
+    k_pe = tl.load(kv_ptr + row[:, None] + D_LAT + offs_r[None, :], mask=mask_n[:, None], other=0.0)
+    if VSPLIT > 1:
+        k_oth = tl.load(kv_ptr + row[:, None] + offs_oth[None, :], mask=mask_n[:, None], other=0.0)
+    else:
+        k_oth = k_pe  # unused
+    return k_own, k_pe, k_oth
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     q_ptr,
     kv_ptr,
@@ -174,6 +215,7 @@ def _mla_decode_split_kernel(
     D_ROPE: tl.constexpr,
     VSPLIT: tl.constexpr,
     TILE_IN_PAGE: tl.constexpr,
+    PREFETCH: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
     FP8_QK: tl.constexpr,
@@ -242,26 +284,32 @@ def _mla_decode_split_kernel(
     acc = tl.zeros([BLOCK_H, D_V], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
 
+    if VSPLIT == 1:
+        offs_oth = offs_r  # placeholder, never loaded
+    if PREFETCH:
+        # Software pipelining by hand: tile t+1 is loaded into registers before tile t is
+        # computed, so its HBM latency hides behind the tensor-core work (Triton's own
+        # cp.async pipelining of this loop issues the next copy after the compute).
+        nxt_own, nxt_pe, nxt_oth = _load_kv_tile(
+            kv_ptr, bt_row, tile_lo, tl.where(tile_lo < tile_hi, seq_len, 0), page_size,
+            stride_kv_page, stride_kv_tok, offs_n, offs_own, offs_oth, offs_r,
+            BLOCK_N, D_LAT, VSPLIT, TILE_IN_PAGE,
+        )  # fmt: skip
     for tile in range(tile_lo, tile_hi):
-        tok = tile * BLOCK_N + offs_n
-        mask_n = tok < seq_len
-        if TILE_IN_PAGE:
-            # page_size % BLOCK_N == 0: one page per tile, a scalar lookup and provably
-            # consecutive rows (simpler address math for the compiler's pipelining).
-            start = tile * BLOCK_N
-            page = tl.load(bt_row + start // page_size)
-            row = page.to(tl.int64) * stride_kv_page + (start % page_size + offs_n) * stride_kv_tok
+        mask_n = tile * BLOCK_N + offs_n < seq_len
+        if PREFETCH:
+            k_own, k_pe, k_oth = nxt_own, nxt_pe, nxt_oth
+            nxt_own, nxt_pe, nxt_oth = _load_kv_tile(
+                kv_ptr, bt_row, tile + 1, tl.where(tile + 1 < tile_hi, seq_len, 0), page_size,
+                stride_kv_page, stride_kv_tok, offs_n, offs_own, offs_oth, offs_r,
+                BLOCK_N, D_LAT, VSPLIT, TILE_IN_PAGE,
+            )  # fmt: skip
         else:
-            page = tl.load(bt_row + tok // page_size, mask=mask_n, other=0)
-            row = page.to(tl.int64) * stride_kv_page + (tok % page_size) * stride_kv_tok
-        k_own = tl.load(kv_ptr + row[:, None] + offs_own[None, :], mask=mask_n[:, None], other=0.0)
-        k_pe = tl.load(
-            kv_ptr + row[:, None] + D_LAT + offs_r[None, :], mask=mask_n[:, None], other=0.0
-        )
-        if VSPLIT > 1:
-            k_oth = tl.load(
-                kv_ptr + row[:, None] + offs_oth[None, :], mask=mask_n[:, None], other=0.0
-            )
+            k_own, k_pe, k_oth = _load_kv_tile(
+                kv_ptr, bt_row, tile, seq_len, page_size,
+                stride_kv_page, stride_kv_tok, offs_n, offs_own, offs_oth, offs_r,
+                BLOCK_N, D_LAT, VSPLIT, TILE_IN_PAGE,
+            )  # fmt: skip
         if FP8_QK:
             s = tl.dot(q_own, tl.trans(k_own))
             s = tl.dot(q_pe, tl.trans(k_pe), s)
@@ -453,6 +501,7 @@ def mla_decode(
         D_ROPE=ROPE_DIM,
         VSPLIT=config.vsplit,
         TILE_IN_PAGE=page_size % config.block_n == 0,
+        PREFETCH=config.prefetch,
         HAS_SCALE=has_scale,
         DIRECT_OUT=direct,
         FP8_QK=bool(config.fp8_qk and has_scale),

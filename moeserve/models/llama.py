@@ -22,7 +22,12 @@ from moeserve.models.weights import finish_loading, load_weights_by_rules
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, prefix: str, quant: QuantConfig | None, tp: TPGroup, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        quant: QuantConfig | None,
+        tp: TPGroup,
+        dtype: torch.dtype,
     ) -> None:
         super().__init__()
         d = cfg.head_dim
@@ -31,8 +36,13 @@ class LlamaAttention(nn.Module):
         self.head_dim = d
         kw = dict(quant=quant, tp=tp, dtype=dtype)
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads,
-            bias=cfg.attention_bias, prefix=f"{prefix}.qkv_proj", **kw,
+            cfg.hidden_size,
+            d,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            bias=cfg.attention_bias,
+            prefix=f"{prefix}.qkv_proj",
+            **kw,
         )
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, prefix=f"{prefix}.o_proj", **kw
@@ -42,7 +52,9 @@ class LlamaAttention(nn.Module):
         )
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
@@ -56,7 +68,12 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, prefix: str, quant: QuantConfig | None, tp: TPGroup, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        quant: QuantConfig | None,
+        tp: TPGroup,
+        dtype: torch.dtype,
     ) -> None:
         super().__init__()
         kw = dict(quant=quant, tp=tp, dtype=dtype)
@@ -73,7 +90,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, prefix: str, quant: QuantConfig | None, tp: TPGroup, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        quant: QuantConfig | None,
+        tp: TPGroup,
+        dtype: torch.dtype,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -109,7 +131,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         x, residual = self.embed_tokens(ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)
@@ -151,7 +175,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         return self.model(ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,11 @@ class FastTokenizerWrapper:
         if not self.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions instead.")
         return render_chat_template(
-            self.chat_template, messages, tools, add_generation_prompt,
-            bos_token=self.bos_token, eos_token=self.eos_token, **kwargs,
+            self.chat_template,
+            messages,
+            tools,
+            add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **kwargs,
         )

@@ -43,7 +43,9 @@ def build_gguf_tokenizer(meta: dict[str, Any]) -> FastTokenizerWrapper:
     tok.decoder = decoders.ByteLevel()
     special = [i for i, t in enumerate(types) if t == _CONTROL]
     tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in special])
-    user = [AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+    user = [
+        AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED
+    ]
     if user:
         tok.add_tokens(user)
 

@@ -25,8 +25,14 @@ def test_batch_equals_solo(llm, solo):
 
 def test_chunked_prefill_and_preemption_do_not_change_tokens(gguf_path, solo):
     # 6-token prefill chunks; 12 pages of 4 tokens cannot hold 4 sequences: preemption
-    small = LLM(gguf_path, dtype="float32", max_model_len=512, max_num_batched_tokens=6,
-                page_size=4, num_pages=24)
+    small = LLM(
+        gguf_path,
+        dtype="float32",
+        max_model_len=512,
+        max_num_batched_tokens=6,
+        page_size=4,
+        num_pages=24,
+    )
     outs = small.generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in outs] == solo
     assert small.engine.metrics.preemptions > 0
@@ -44,7 +50,9 @@ def test_stop_strings_and_finish_reasons(llm):
     base = llm.generate(["Count: 1, 2, 3,"], SamplingParams(max_tokens=12, temperature=0))[0]
     assert base.finish_reason in ("length", "stop")
     word = base.text.strip().split()[1]
-    cut = llm.generate(["Count: 1, 2, 3,"], SamplingParams(max_tokens=12, temperature=0, stop=[word]))[0]
+    cut = llm.generate(
+        ["Count: 1, 2, 3,"], SamplingParams(max_tokens=12, temperature=0, stop=[word])
+    )[0]
     assert cut.finish_reason == "stop" and word not in cut.text
     assert base.text.startswith(cut.text)
 

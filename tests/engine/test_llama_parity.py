@@ -29,7 +29,7 @@ def test_greedy_48_tokens_match_hf(llm, hf_llama):
     for prompt_ids, got in zip(ids, ours, strict=True):
         with torch.no_grad():
             ref = hf_llama.generate(torch.tensor([prompt_ids]), max_new_tokens=N, do_sample=False)
-        assert got.token_ids == ref[0, len(prompt_ids):].tolist(), tok.decode(prompt_ids)
+        assert got.token_ids == ref[0, len(prompt_ids) :].tolist(), tok.decode(prompt_ids)
 
 
 def test_prompt_logprobs_match_hf_logits(llm, hf_llama):

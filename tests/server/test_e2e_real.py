@@ -27,7 +27,7 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="session")
 def server():
     engine = engine_mod.build_async_engine(
-        dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16
+        dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, threads=1
     )
     app = create_app(engine, ServerConfig(served_model_name=engine.model_name))
     try:

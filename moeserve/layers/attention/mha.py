@@ -70,13 +70,17 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, md) -> torch.Tensor:
         """One new token per sequence: gather each sequence's keys, pad, one batched SDPA."""
-        B, L, ps = md.num_seqs, md.max_seq_len, md.page_size
+        L, ps = md.max_seq_len, md.page_size
         pages = md.block_tables[:, : -(-L // ps)]
         k = self.k_cache[pages].flatten(1, 2)[:, :L].transpose(1, 2)  # [B, KVH, L, D]
         v = self.v_cache[pages].flatten(1, 2)[:, :L].transpose(1, 2)
         valid = torch.arange(L, device=q.device)[None, :] < md.seq_lens[:, None]
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=self.scale,
+            q.unsqueeze(2),
+            k,
+            v,
+            attn_mask=valid[:, None, None, :],
+            scale=self.scale,
             enable_gqa=True,
         )
         return o.squeeze(2)

@@ -50,6 +50,7 @@ class LinearMethod(ABC):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Repack loaded weights for the kernels of this device (optional)."""
+        return None
 
 
 class UnquantizedLinearMethod(LinearMethod):

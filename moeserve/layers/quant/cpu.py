@@ -27,7 +27,9 @@ class Int8WeightOnlyMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), layer.qweight, layer.scales)
+        y = torch.ops.aten._weight_int8pack_mm(
+            x.reshape(-1, shape[-1]), layer.qweight, layer.scales
+        )
         return y.reshape(*shape[:-1], -1)
 
 
