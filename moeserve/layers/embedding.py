@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.dist.parallel import SINGLE, TPGroup
-from moeserve.layers.quant.base import make_param
+from moeserve.layers.quant.base import LinearMethod, make_param
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,9 +40,24 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """logits = h W^T over this rank's vocab slice, gathered to the full vocabulary (fp32)."""
+    """logits = h W^T over this rank's vocab slice, gathered to the full vocabulary (fp32).
+
+    `method`: an optional weight-only quant method for the head's matmul (the head is the
+    largest single matrix of small models; a tied embedding keeps its float rows for lookup).
+    """
+
+    def __init__(self, *args, method: LinearMethod | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.method = method
+
+    def process_weights_after_loading(self) -> None:
+        if self.method is not None:
+            self.method.process_weights_after_loading(self)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, self.weight).float()
+        if self.method is not None:
+            logits = self.method.apply(self, h).float()
+        else:
+            logits = F.linear(h, self.weight).float()
         logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

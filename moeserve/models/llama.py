@@ -169,11 +169,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, quant, tp, dtype)
+        head_method = quant.lm_head_method() if quant is not None else None
+        self.lm_head = ParallelLMHead(
+            cfg.vocab_size, cfg.hidden_size, tp, dtype, method=head_method
+        )
         if cfg.tie_word_embeddings:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
             self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

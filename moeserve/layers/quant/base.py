@@ -74,6 +74,10 @@ class QuantConfig(ABC):
     def linear_method(self, prefix: str) -> LinearMethod:
         """The method for the linear layer called `prefix` in the checkpoint."""
 
+    def lm_head_method(self) -> LinearMethod | None:
+        """A method for the LM head's matmul (None: plain matmul in the model dtype)."""
+        return None
+
     def moe_method(self, prefix: str) -> object | None:
         """The method for the routed experts under `prefix` (None: unquantized)."""
         return None

@@ -21,7 +21,7 @@ class Int8WeightOnlyMethod(UnquantizedLinearMethod):
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         dtype = layer.weight.dtype
-        del layer.weight
+        del layer.weight  # a tied embedding keeps its own reference for lookups
         layer.register_buffer("qweight", q)
         layer.register_buffer("scales", scale.to(dtype))
 
@@ -37,6 +37,9 @@ class CpuInt8Config(QuantConfig):
     name = "int8-weight-only"
 
     def linear_method(self, prefix: str) -> LinearMethod:
+        return Int8WeightOnlyMethod()
+
+    def lm_head_method(self) -> LinearMethod | None:
         return Int8WeightOnlyMethod()
 
 

@@ -1,0 +1,170 @@
+"""CPU decode benchmark: moeserve vs HF transformers generate() on the same GGUF, one run.
+
+Measures single-stream decode tok/s (128 greedy tokens, EOS ignored, prefill excluded) and
+throughput at concurrency 8 (8 different prompts decoded together), for moeserve's
+configurations and for HF transformers (fp32 and bf16) as the peer. Writes
+benchmarks/results/cpu_decode.json and .md.
+
+    python3 benchmarks/cpu_decode.py [--tokens 128] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a refrigerator works.",
+    "What are the main causes of the French Revolution?",
+    "Describe the water cycle.",
+    "Give advice to a new programmer.",
+    "Why is the sky blue?",
+    "Summarize the rules of chess.",
+    "What makes a good cup of coffee?",
+]
+RESULTS = Path(__file__).parent / "results"
+
+
+def _chat_ids(tok, text: str) -> list[int]:
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]),
+                      add_special_tokens=False)
+
+
+def bench_moeserve(label: str, n_tokens: int, repeats: int, **engine_kw) -> dict:
+    from moeserve.engine.engine import LLM
+    from moeserve.sampling import SamplingParams
+
+    llm = LLM(None, **engine_kw)
+    ids = [_chat_ids(llm.tokenizer, p) for p in PROMPTS]
+    eng = llm.engine
+
+    def decode_rate(batch: list[list[int]]) -> float:
+        """Output tok/s after every request finished its prefill (decode-only steps)."""
+        params = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
+        for i, p in enumerate(batch):
+            eng.add_request(f"{label}-{time.monotonic_ns()}-{i}", p, params)
+        produced, t0 = 0, None
+        while eng.has_unfinished():
+            outs = eng.step()
+            if t0 is None and all(r.num_computed >= len(r.prompt_ids)
+                                  for r in eng.scheduler.running) and not eng.scheduler.waiting:
+                t0, produced = time.perf_counter(), 0
+                continue
+            produced += sum(len(o.token_ids) for o in outs)
+        return produced / (time.perf_counter() - t0)
+
+    decode_rate(ids[:1])  # warm-up
+    single = [decode_rate(ids[:1]) for _ in range(repeats)]
+    conc8 = [decode_rate(ids) for _ in range(repeats)]
+    return {"system": "moeserve", "config": label, "engine_kwargs": engine_kw,
+            "single_stream_tok_s": statistics.median(single), "single_runs": single,
+            "concurrency8_tok_s": statistics.median(conc8), "conc8_runs": conc8}
+
+
+def bench_hf(dtype: torch.dtype, n_tokens: int, repeats: int) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from moeserve.loader import default_model_path
+    from moeserve.tokenizer.gguf_vocab import build_gguf_tokenizer
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                 gguf_file=os.path.basename(path), dtype=dtype)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 2
+    import gguf
+
+    from moeserve.loader.gguf import read_metadata
+
+    tok = build_gguf_tokenizer(read_metadata(gguf.GGUFReader(path)))
+    ids = [_chat_ids(tok, p) for p in PROMPTS]
+
+    def rate(batch: list[list[int]]) -> float:
+        width = max(map(len, batch))
+        inp = torch.tensor([[2] * (width - len(b)) + b for b in batch])
+        mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
+        with torch.inference_mode():
+            t = time.perf_counter()
+            model.generate(inp, attention_mask=mask, max_new_tokens=1, do_sample=False)
+            prefill = time.perf_counter() - t
+            t = time.perf_counter()
+            model.generate(inp, attention_mask=mask, max_new_tokens=n_tokens, do_sample=False)
+            total = time.perf_counter() - t
+        return len(batch) * (n_tokens - 1) / (total - prefill)
+
+    rate(ids[:1])
+    single = [rate(ids[:1]) for _ in range(repeats)]
+    conc8 = [rate(ids) for _ in range(repeats)]
+    return {"system": "hf-transformers", "config": str(dtype)[6:],
+            "single_stream_tok_s": statistics.median(single), "single_runs": single,
+            "concurrency8_tok_s": statistics.median(conc8), "conc8_runs": conc8}
+
+
+def _env() -> dict:
+    import transformers
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "uncommitted"
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                if ln.startswith("model name")), platform.processor())
+    return {"commit": commit, "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    configs = {
+        "fp32": dict(dtype="float32"),
+        "bf16+int8": dict(dtype="bfloat16", quantization="int8"),
+    }
+    for label, kw in configs.items():
+        rows.append(bench_moeserve(label, args.tokens, args.repeats, **kw))
+        print(rows[-1]["config"], rows[-1]["single_stream_tok_s"], rows[-1]["concurrency8_tok_s"])
+    if not args.skip_hf:
+        for dt in (torch.float32, torch.bfloat16):
+            rows.append(bench_hf(dt, args.tokens, args.repeats))
+            print("hf", dt, rows[-1]["single_stream_tok_s"], rows[-1]["concurrency8_tok_s"])
+    env = _env()
+    hf32 = next((r["single_stream_tok_s"] for r in rows if r["config"] == "float32"), None)
+    out = {"benchmark": "cpu_decode", "model": "SmolLM2-135M-Instruct Q4_1 GGUF",
+           "tokens": args.tokens, "env": env, "rows": rows,
+           "target": "single-stream >= 3x HF transformers (fp32) on the same GGUF"}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "cpu_decode.json").write_text(json.dumps(out, indent=2))
+    lines = [
+        "# CPU decode: SmolLM2-135M-Instruct (Q4_1 GGUF)",
+        "",
+        f"commit {env['commit']}, {env['cpu']} ({env['cores']} cores), torch {env['torch']}, "
+        f"transformers {env['transformers']}, {env['date']}. {args.tokens} greedy tokens, EOS "
+        "ignored, prefill excluded; median of "
+        f"{args.repeats} runs. Target: single-stream >= 3x HF fp32.",
+        "",
+        "| system | config | single stream tok/s | x HF fp32 | concurrency 8 tok/s |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = f"{r['single_stream_tok_s'] / hf32:.2f}" if hf32 else "-"
+        lines.append(f"| {r['system']} | {r['config']} | {r['single_stream_tok_s']:.1f} | "
+                     f"{ratio} | {r['concurrency8_tok_s']:.1f} |")
+    (RESULTS / "cpu_decode.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
