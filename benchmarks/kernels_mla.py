@@ -778,13 +778,18 @@ def markdown(res: dict) -> str:
 
 
 # Run 1 (all vsplit=1) found (64, 64, 8, 2) best of (64|32 heads) x (32|64 tokens) x
-# (4|8 warps) x (2|3 stages); this sweep pits it against the value-split variants.
+# (4|8 warps) x (2|3 stages) at ~37% of HBM. Offline compiles (sm_90a TTGIR + ptxas) then
+# showed Triton's cp.async pipelining issues the next tile's copy after the compute and
+# waits for all copies at the top of the loop (no overlap), and that vsplit=1 with 8 warps
+# duplicates q @ k^T across the two warpgroups. This sweep pits it against value-split
+# variants, register prefetch (prefetch=True, num_stages=1) and 2-CTAs-per-SM configs
+# (~110 KB shared memory, <= 255 registers x 128 threads).
 SWEEP_CONFIGS = [
     dec.MLADecodeConfig(64, 64, 8, 2),
     dec.MLADecodeConfig(64, 32, 4, 2, vsplit=2),
-    dec.MLADecodeConfig(64, 64, 4, 2, vsplit=2),
-    dec.MLADecodeConfig(64, 32, 4, 3, vsplit=2),
-    dec.MLADecodeConfig(64, 64, 8, 2, vsplit=2),
+    dec.MLADecodeConfig(64, 16, 4, 2, vsplit=2, ctas_per_sm=2),
+    dec.MLADecodeConfig(64, 32, 8, 1, vsplit=2, prefetch=True),
+    dec.MLADecodeConfig(64, 16, 4, 1, vsplit=2, prefetch=True, ctas_per_sm=2),
 ]
 FP8_QK_CONFIGS = [
     dec.MLADecodeConfig(64, 64, 8, 2, fp8_qk=True),

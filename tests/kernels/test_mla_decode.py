@@ -221,3 +221,17 @@ def test_value_split_with_fp8_qk():
     out, ref = _run_both(q, cache, bt, seq, kv_scale, 2, cfg)
     err = (out - ref).abs()
     assert err.max() < 0.15 and err.mean() < 0.02, (err.max(), err.mean())
+
+
+@pytest.mark.parametrize("vsplit", [1, 2])
+@pytest.mark.parametrize(("page_size", "dtype"), [(16, torch.bfloat16), (1, FP8), (5, FP8)])
+def test_register_prefetch_variant(vsplit, page_size, dtype):
+    # prefetch=True loads tile t+1 while tile t is computed; the last prefetch is fully
+    # masked. Splits with 0, 1 and several tiles all occur (seq 50 -> 4 tiles, 3 splits).
+    cfg = mla_decode_mod.MLADecodeConfig(
+        block_h=16, block_n=16, num_warps=4, num_stages=1, vsplit=vsplit, prefetch=True
+    )
+    q, cache, bt, seq, kv_scale = _make_case([50, 1, 16], 4, page_size, dtype, seed=17)
+    out, ref = _run_both(q, cache, bt, seq, kv_scale, 3, cfg)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
