@@ -34,6 +34,7 @@ from moeserve.kernels.nvfp4_gemm import (
     _load_act_t,
     _load_decode_tile,
     default_decode,
+    interpreting,
     dequantize_nvfp4,
 )
 
@@ -166,6 +167,7 @@ def _moe_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     K_ITERS: tl.constexpr,
     DECODE: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """inter[slot, n] = silu(gate) * up for the slots of block pid(1), columns of tile pid(0).
     Gate rows n and up rows INTER+n are decoded in the same loop so x is read once for both."""
@@ -177,27 +179,25 @@ def _moe_gate_up_kernel(
     slots = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
     m_mask = slots[None, :] < Mk
     x_rows = x_ptr + (slots[None, :] // TOPK).to(tl.int64) * stride_xm
-    KH = H // 2
+    KW = H // 8  # int32 words of 8 codes
     KG = H // 16
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n[:, None] < INTER
-    w_e = w_ptr + expert.to(tl.int64) * (2 * INTER) * KH
+    w_e = w_ptr + expert.to(tl.int64) * (2 * INTER) * KW
     s_e = s_ptr + expert.to(tl.int64) * (2 * INTER) * KG
-    g_rows = w_e + offs_n[:, None].to(tl.int64) * KH
-    u_rows = w_e + (offs_n[:, None] + INTER).to(tl.int64) * KH
+    g_rows = w_e + offs_n[:, None].to(tl.int64) * KW
+    u_rows = w_e + (offs_n[:, None] + INTER).to(tl.int64) * KW
     gs_rows = s_e + offs_n[:, None].to(tl.int64) * KG
     us_rows = s_e + (offs_n[:, None] + INTER).to(tl.int64) * KG
     acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for it in range(K_ITERS):
-        kb0 = it * (BLOCK_K // 2)
-        xe, xo = _load_act_t(x_rows, m_mask, kb0, H, BLOCK_K)
-        ge, go = _load_decode_tile(g_rows, gs_rows, n_mask, kb0, KH, KG, BLOCK_N, BLOCK_K, DECODE)
-        acc_g = _dot_acc(ge, xe, acc_g, DECODE)
-        acc_g = _dot_acc(go, xo, acc_g, DECODE)
-        ue, uo = _load_decode_tile(u_rows, us_rows, n_mask, kb0, KH, KG, BLOCK_N, BLOCK_K, DECODE)
-        acc_u = _dot_acc(ue, xe, acc_u, DECODE)
-        acc_u = _dot_acc(uo, xo, acc_u, DECODE)
+        kw0 = it * (BLOCK_K // 8)
+        xt = _load_act_t(x_rows, m_mask, kw0, H, BLOCK_K)
+        g = _load_decode_tile(g_rows, gs_rows, n_mask, kw0, KW, KG, BLOCK_N, BLOCK_K, DECODE)
+        acc_g = _dot_acc(g, xt, acc_g, DOT_F32)
+        u = _load_decode_tile(u_rows, us_rows, n_mask, kw0, KW, KG, BLOCK_N, BLOCK_K, DECODE)
+        acc_u = _dot_acc(u, xt, acc_u, DOT_F32)
     gs = tl.load(gs_ptr + expert) * (2.0**ACC_FIX_EXP)
     g = acc_g * gs
     u = acc_u * gs
@@ -224,6 +224,7 @@ def _moe_down_kernel(
     BLOCK_K: tl.constexpr,
     K_ITERS: tl.constexpr,
     DECODE: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """y[slot, n] = topk_weight[slot] * (inter[slot] @ W2_e^T)[n], fp32."""
     pid_n = tl.program_id(0)
@@ -235,19 +236,18 @@ def _moe_down_kernel(
     valid = slots < Mk
     m_mask = valid[None, :]
     a_rows = a_ptr + slots[None, :].to(tl.int64) * INTER
-    KH = INTER // 2
+    KW = INTER // 8
     KG = INTER // 16
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n[:, None] < H
-    w_rows = w_ptr + expert.to(tl.int64) * H * KH + offs_n[:, None].to(tl.int64) * KH
+    w_rows = w_ptr + expert.to(tl.int64) * H * KW + offs_n[:, None].to(tl.int64) * KW
     s_rows = s_ptr + expert.to(tl.int64) * H * KG + offs_n[:, None].to(tl.int64) * KG
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for it in range(K_ITERS):
-        kb0 = it * (BLOCK_K // 2)
-        ae, ao = _load_act_t(a_rows, m_mask, kb0, INTER, BLOCK_K)
-        we, wo = _load_decode_tile(w_rows, s_rows, n_mask, kb0, KH, KG, BLOCK_N, BLOCK_K, DECODE)
-        acc = _dot_acc(we, ae, acc, DECODE)
-        acc = _dot_acc(wo, ao, acc, DECODE)
+        kw0 = it * (BLOCK_K // 8)
+        at = _load_act_t(a_rows, m_mask, kw0, INTER, BLOCK_K)
+        w = _load_decode_tile(w_rows, s_rows, n_mask, kw0, KW, KG, BLOCK_N, BLOCK_K, DECODE)
+        acc = _dot_acc(w, at, acc, DOT_F32)
     wt = tl.load(topk_w_ptr + slots, mask=valid, other=0.0)
     acc = acc * (tl.load(gs_ptr + expert) * (2.0**ACC_FIX_EXP)) * wt[None, :]
     ptrs = y_ptr + slots[None, :].to(tl.int64) * H + offs_n[:, None]
@@ -379,7 +379,7 @@ def fused_moe_nvfp4(
     bn1, bk1 = cfg1["BLOCK_N"], cfg1["BLOCK_K"]
     _moe_gate_up_kernel[(triton.cdiv(inter_size, bn1), nb)](
         x,
-        w13,
+        w13.view(torch.int32),
         w13_scale.view(torch.uint8),
         w13_gs,
         inter,
@@ -395,13 +395,14 @@ def fused_moe_nvfp4(
         BLOCK_K=bk1,
         K_ITERS=triton.cdiv(h, bk1),
         DECODE=dec,
+        DOT_F32=interpreting(),
         num_warps=cfg1["num_warps"],
         num_stages=cfg1["num_stages"],
     )
     bn2, bk2 = cfg2["BLOCK_N"], cfg2["BLOCK_K"]
     _moe_down_kernel[(triton.cdiv(h, bn2), nb)](
         inter,
-        w2,
+        w2.view(torch.int32),
         w2_scale.view(torch.uint8),
         w2_gs,
         y,
@@ -416,6 +417,7 @@ def fused_moe_nvfp4(
         BLOCK_K=bk2,
         K_ITERS=triton.cdiv(inter_size, bk2),
         DECODE=dec,
+        DOT_F32=interpreting(),
         num_warps=cfg2["num_warps"],
         num_stages=cfg2["num_stages"],
     )

@@ -124,17 +124,22 @@ def nvfp4_gemm_ref(
 # ----------------------------------------------------------------------------------------------
 # Triton W4A16 kernel
 #
-# Decode trick (Marlin-style, on packed 32-bit words): a word holds 8 codes n0..n7 (n0 = low
-# nibble of byte 0). For a nibble sitting in the TOP 4 bits of a 16-bit half, bf16 bits
-# `(h & 0x8000) | ((h & 0x7000) >> 6)` put the sign at bit 15 and (e1 e0 m) at bits 8..6, which
-# read as bf16 equals the E2M1 value * 2^-126 (e=0 lands on a bf16 subnormal, still exact).
-# Shifting the word by 0/4/8/12 brings every nibble pair (n_j, n_{j+4}) to that position: three
-# shifts + three ops per bf16x2, no per-element work. One `mul.rn.bf16x2` by the block scale,
-# pre-multiplied by 2^118, makes the tile value*scale*2^-8 (exact: <= 5 significant bits, normal
-# range); the remaining 2^8 and the global scale are applied to the fp32 accumulator.
-# The even K elements of a word come out in the order bytes (0, 2, 1, 3), the odd ones likewise;
-# instead of interleaving registers the kernel loads the activation columns in that order
-# (a dot product is invariant under a common permutation of K).
+# Decode on packed 32-bit words (Marlin-style): a word q holds 8 codes n0..n7 (n_j in bits
+# 4j..4j+3; n0 = low nibble of byte 0 = the word's first K element). Shifting q left by
+# 12 - 4j puts n_j at the top of the low 16-bit half and n_{j+4} at the top of the high half;
+# then `(x & 0x80008000) | ((x & 0x70007000) >> 6)` moves each sign to bit 15 and (e1 e0 m) to
+# bits 8..6, which read as bf16x2 equals the two E2M1 values * 2^-126 (e=0 lands on a bf16
+# subnormal, still exact). Per 2 elements: 1 shift + 3 logic ops, then one `mul.rn.bf16x2` by
+# the block scale pre-multiplied by 2^118, giving value*scale*2^-8 (exact: <= 5 significant
+# bits, normal range); the remaining 2^8 and the global scale scale the fp32 accumulator.
+# The decode works per word (inline PTX with pack=1, so no assumption about how Triton packs
+# several tensor elements into one register) and yields 8 tensors [BLOCK_N, BLOCK_K/8], one per
+# code position; a tree of tl.join puts them side by side, in bit-reversed order inside each
+# word, and the activation columns are loaded in that same order (a dot product does not care
+# about a common permutation of K).
+# DECODE_BITS is the same idea in plain Triton integer ops through fp16 (no subnormal bf16
+# arithmetic, which a flush-to-zero multiply would lose), and DECODE_ARITH decodes per element
+# arithmetically; both run in the CPU interpreter and are the tests' view of the bit layout.
 # ----------------------------------------------------------------------------------------------
 
 import triton  # noqa: E402
@@ -143,53 +148,70 @@ import triton.language as tl  # noqa: E402
 # Jitted code may only read constexpr globals.
 SCALE_BIAS_EXP = tl.constexpr(118)  # block scale * 2^118 fits bf16 (448 * 2^118 < 2^127)
 ACC_FIX_EXP = tl.constexpr(8)  # 126 - 118: applied once to the accumulator
+FP16_BIAS_EXP = tl.constexpr(14)  # DECODE_BITS: fp16 bits give value * 2^-14
+SIGN_MASK2 = tl.constexpr(-2147450880)  # 0x80008000 as int32
+IDX_MASK2 = tl.constexpr(0x70007000)
 
-_E2M1_ASM_TEXT = """
+DECODE_ARITH = 0  # per-element arithmetic decode (interpreter; slow on a GPU)
+DECODE_ASM = 1  # packed-word inline PTX, bf16x2 scale multiply (the GPU default)
+DECODE_BITS = 2  # packed-word decode in Triton integer ops via fp16 (portable; interpreter too)
+
+# $0..$7: bf16 bits of n0..n7 (int16 outputs), $8: the word, $9: bf16 bits of scale*2^118.
+_E2M1_ASM = tl.constexpr(
+    """
 {
-.reg .b32 q4, q8, q12, t;
-shl.b32 q4, $4, 4;
-shl.b32 q8, $4, 8;
-shl.b32 q12, $4, 12;
-and.b32 t, q12, 0x70007000;
+.reg .b32 x, t, r, ss;
+mov.b32 ss, {$9, $9};
+shl.b32 x, $8, 12;
+and.b32 t, x, 0x70007000;
 shr.b32 t, t, 6;
-lop3.b32 $0, q12, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 $0, $0, $5;
-and.b32 t, q4, 0x70007000;
+lop3.b32 r, x, 0x80008000, t, 0xEA;
+mul.rn.bf16x2 r, r, ss;
+mov.b32 {$0, $4}, r;
+shl.b32 x, $8, 8;
+and.b32 t, x, 0x70007000;
 shr.b32 t, t, 6;
-lop3.b32 $1, q4, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 $1, $1, $5;
-and.b32 t, q8, 0x70007000;
+lop3.b32 r, x, 0x80008000, t, 0xEA;
+mul.rn.bf16x2 r, r, ss;
+mov.b32 {$1, $5}, r;
+shl.b32 x, $8, 4;
+and.b32 t, x, 0x70007000;
 shr.b32 t, t, 6;
-lop3.b32 $2, q8, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 $2, $2, $5;
-and.b32 t, $4, 0x70007000;
+lop3.b32 r, x, 0x80008000, t, 0xEA;
+mul.rn.bf16x2 r, r, ss;
+mov.b32 {$2, $6}, r;
+and.b32 t, $8, 0x70007000;
 shr.b32 t, t, 6;
-lop3.b32 $3, $4, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 $3, $3, $5;
+lop3.b32 r, $8, 0x80008000, t, 0xEA;
+mul.rn.bf16x2 r, r, ss;
+mov.b32 {$3, $7}, r;
 }
 """
-
-_E2M1_ASM = tl.constexpr(_E2M1_ASM_TEXT)
-# Decode only (mode 2): same bit moves without the scale multiply; the kernel multiplies.
-_E2M1_ASM_NOSCALE = tl.constexpr(
-    "\n".join(line for line in _E2M1_ASM_TEXT.splitlines() if not line.startswith("mul.rn"))
 )
-
-DECODE_ARITH = 0  # per-element arithmetic decode (interpreter, and a slow fallback)
-DECODE_ASM = 1  # packed-word PTX decode with the block scale multiplied inside (default on GPU)
-DECODE_ASM_NOSCALE = 2  # packed-word PTX decode, scale multiplied by Triton code
 
 
 @triton.jit
-def _byte_perm(p):
-    """Tensor position p -> byte whose codes the asm decode puts there (bytes 0,2,1,3 per word)."""
-    r = p % 4
-    return (p - r) + ((r & 1) << 1) + (r >> 1)
+def _k_perm(p):
+    """Tile column p -> K offset inside the tile: the join tree leaves the 8 codes of a word in
+    bit-reversed order (positions 0..7 hold codes 0,4,2,6,1,5,3,7)."""
+    return (p - p % 8) + 4 * (p % 2) + 2 * ((p // 2) % 2) + (p // 4) % 2
+
+
+@triton.jit
+def _join8(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N: tl.constexpr, BW: tl.constexpr):
+    """8 x [BLOCK_N, BW] -> [BLOCK_N, 8*BW] in the order described by _k_perm."""
+    p01 = tl.reshape(tl.join(n0, n1), (BLOCK_N, 2 * BW))
+    p23 = tl.reshape(tl.join(n2, n3), (BLOCK_N, 2 * BW))
+    p45 = tl.reshape(tl.join(n4, n5), (BLOCK_N, 2 * BW))
+    p67 = tl.reshape(tl.join(n6, n7), (BLOCK_N, 2 * BW))
+    q0 = tl.reshape(tl.join(p01, p23), (BLOCK_N, 4 * BW))
+    q1 = tl.reshape(tl.join(p45, p67), (BLOCK_N, 4 * BW))
+    return tl.reshape(tl.join(q0, q1), (BLOCK_N, 8 * BW))
 
 
 @triton.jit
 def _e2m1_arith(c):
-    """4-bit codes (int32) -> fp32 E2M1 values; the interpreter / reference-path decode."""
+    """4-bit codes (int32) -> fp32 E2M1 values."""
     idx = c & 7
     e = idx >> 1
     m = (idx & 1).to(tl.float32)
@@ -198,84 +220,99 @@ def _e2m1_arith(c):
 
 
 @triton.jit
+def _arith_code(q, j: tl.constexpr, sf):
+    return (_e2m1_arith((q >> (4 * j)) & 15) * sf).to(tl.bfloat16)
+
+
+@triton.jit
+def _bits_pair(q, shift: tl.constexpr, sf):
+    """Codes (n_j, n_{j+4}) of words q (shift = 12 - 4j) -> two bf16 tensors value*sf."""
+    x = q << shift
+    r = (x & SIGN_MASK2) | ((x & IDX_MASK2) >> 3)  # fp16 bits: value * 2^-14
+    lo = (r & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (r >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return (lo * sf).to(tl.bfloat16), (hi * sf).to(tl.bfloat16)
+
+
+@triton.jit
 def _load_decode_tile(
     w_row_ptr,
     s_row_ptr,
     n_mask,
-    kb0,
-    KH,
+    kw0,
+    KW,
     KG,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DECODE: tl.constexpr,
 ):
-    """Load and decode one [BLOCK_N, BLOCK_K] NVFP4 weight tile starting at byte column kb0.
+    """Load and decode one [BLOCK_N, BLOCK_K] NVFP4 weight tile starting at word column kw0.
 
-    w_row_ptr [BLOCK_N, 1] pointers to packed rows, s_row_ptr [BLOCK_N, 1] to scale rows.
-    Returns (even, odd): bf16 [BLOCK_N, BLOCK_K/2] = value*scale*2^-8 for the even / odd K
-    elements of the bytes at positions _byte_perm(p).
+    w_row_ptr [BLOCK_N, 1] int32 pointers to packed rows (8 codes per word), s_row_ptr
+    [BLOCK_N, 1] uint8 pointers to scale rows. Returns bf16 value*scale*2^-8 with column p
+    holding K element 8*(p//8) + _k_perm(p) of the tile.
     """
-    BKH: tl.constexpr = BLOCK_K // 2
+    BW: tl.constexpr = BLOCK_K // 8
     BKG: tl.constexpr = BLOCK_K // 16
-    offs_g = kb0 // 8 + tl.arange(0, BKG)
+    offs_w = kw0 + tl.arange(0, BW)
+    q = tl.load(w_row_ptr + offs_w[None, :], mask=n_mask & (offs_w[None, :] < KW), other=0)
+    offs_g = kw0 // 2 + tl.arange(0, BKG)
     s = tl.load(s_row_ptr + offs_g[None, :], mask=n_mask & (offs_g[None, :] < KG), other=0)
-    s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (2.0**SCALE_BIAS_EXP)
-    s = tl.reshape(
-        tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BLOCK_N, BKG, 8)), (BLOCK_N, BKH)
-    )
+    s = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BKG, 2)), (BLOCK_N, BW))  # per word
     if DECODE == 1:
-        offs_b = kb0 + tl.arange(0, BKH)
-        q = tl.load(w_row_ptr + offs_b[None, :], mask=n_mask & (offs_b[None, :] < KH), other=0)
-        even, odd = tl.inline_asm_elementwise(
+        sb = (s * (2.0**SCALE_BIAS_EXP)).to(tl.bfloat16).to(tl.int16, bitcast=True)
+        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
             _E2M1_ASM,
-            "=r,=r,=r,=r,r,r,r",
-            [q, s],
-            dtype=(tl.bfloat16, tl.bfloat16),
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+            [q, sb],
+            dtype=(tl.int16,) * 8,
             is_pure=True,
-            pack=4,
+            pack=1,
         )
+        n0 = n0.to(tl.bfloat16, bitcast=True)
+        n1 = n1.to(tl.bfloat16, bitcast=True)
+        n2 = n2.to(tl.bfloat16, bitcast=True)
+        n3 = n3.to(tl.bfloat16, bitcast=True)
+        n4 = n4.to(tl.bfloat16, bitcast=True)
+        n5 = n5.to(tl.bfloat16, bitcast=True)
+        n6 = n6.to(tl.bfloat16, bitcast=True)
+        n7 = n7.to(tl.bfloat16, bitcast=True)
     elif DECODE == 2:
-        offs_b = kb0 + tl.arange(0, BKH)
-        q = tl.load(w_row_ptr + offs_b[None, :], mask=n_mask & (offs_b[None, :] < KH), other=0)
-        even, odd = tl.inline_asm_elementwise(
-            _E2M1_ASM_NOSCALE,
-            "=r,=r,=r,=r,r",
-            [q],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
-        even = even * s
-        odd = odd * s
+        sf = s * (2.0 ** (FP16_BIAS_EXP - ACC_FIX_EXP))
+        n0, n4 = _bits_pair(q, 12, sf)
+        n1, n5 = _bits_pair(q, 8, sf)
+        n2, n6 = _bits_pair(q, 4, sf)
+        n3, n7 = _bits_pair(q, 0, sf)
     else:
-        offs_b = kb0 + _byte_perm(tl.arange(0, BKH))
-        q = tl.load(w_row_ptr + offs_b[None, :], mask=n_mask & (offs_b[None, :] < KH), other=0).to(
-            tl.int32
-        )
-        sf = s.to(tl.float32) * (2.0**-126)
-        even = (_e2m1_arith(q & 15) * sf).to(tl.bfloat16)
-        odd = (_e2m1_arith(q >> 4) * sf).to(tl.bfloat16)
-    return even, odd
+        sf = s * (2.0 ** (-ACC_FIX_EXP))
+        n0 = _arith_code(q, 0, sf)
+        n1 = _arith_code(q, 1, sf)
+        n2 = _arith_code(q, 2, sf)
+        n3 = _arith_code(q, 3, sf)
+        n4 = _arith_code(q, 4, sf)
+        n5 = _arith_code(q, 5, sf)
+        n6 = _arith_code(q, 6, sf)
+        n7 = _arith_code(q, 7, sf)
+    return _join8(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N, BW)
 
 
 @triton.jit
-def _load_act_t(x_rows_ptr, m_mask, kb0, K, BLOCK_K: tl.constexpr):
-    """Activation columns matching _load_decode_tile: (even, odd) bf16 [BLOCK_K/2, BLOCK_M].
+def _load_act_t(x_rows_ptr, m_mask, kw0, K, BLOCK_K: tl.constexpr):
+    """Activation columns matching _load_decode_tile: bf16 [BLOCK_K, BLOCK_M].
 
     x_rows_ptr [1, BLOCK_M] pointers to activation rows, m_mask [1, BLOCK_M].
     """
-    kk = 2 * (kb0 + _byte_perm(tl.arange(0, BLOCK_K // 2)))
-    km = kk[:, None] < K
-    xe = tl.load(x_rows_ptr + kk[:, None], mask=km & m_mask, other=0.0)
-    xo = tl.load(x_rows_ptr + kk[:, None] + 1, mask=km & m_mask, other=0.0)
-    return xe.to(tl.bfloat16), xo.to(tl.bfloat16)
+    kk = 8 * kw0 + _k_perm(tl.arange(0, BLOCK_K))
+    xt = tl.load(x_rows_ptr + kk[:, None], mask=(kk[:, None] < K) & m_mask, other=0.0)
+    return xt.to(tl.bfloat16)
 
 
 @triton.jit
-def _dot_acc(a, b, acc, DECODE: tl.constexpr):
-    """acc += a @ b. The arithmetic-decode path (the CPU interpreter's) multiplies in fp32: the
-    interpreter's numpy dot has no bf16 and would multiply raw bit patterns."""
-    if DECODE == 0:
+def _dot_acc(a, b, acc, DOT_F32: tl.constexpr):
+    """acc += a @ b. DOT_F32 (the CPU interpreter) multiplies in fp32: the interpreter's numpy
+    dot has no bf16 and would multiply raw bit patterns."""
+    if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
@@ -318,6 +355,7 @@ def _nvfp4_gemm_kernel(
     SPLIT_K: tl.constexpr,
     K_ITERS: tl.constexpr,
     DECODE: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """out [M, N] = x [M, K] @ W^T. Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, BLOCK_M)).
 
@@ -327,22 +365,21 @@ def _nvfp4_gemm_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    KH = K // 2
+    KW = K // 8
     KG = K // 16
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_mask = offs_n[:, None] < N
     m_mask = offs_m[None, :] < M
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * KH
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * KW
     s_rows = s_ptr + offs_n[:, None].to(tl.int64) * KG
     x_rows = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for it in range(K_ITERS):
-        kb0 = (pid_k * K_ITERS + it) * (BLOCK_K // 2)
-        we, wo = _load_decode_tile(w_rows, s_rows, n_mask, kb0, KH, KG, BLOCK_N, BLOCK_K, DECODE)
-        xe, xo = _load_act_t(x_rows, m_mask, kb0, K, BLOCK_K)
-        acc = _dot_acc(we, xe, acc, DECODE)
-        acc = _dot_acc(wo, xo, acc, DECODE)
+        kw0 = (pid_k * K_ITERS + it) * (BLOCK_K // 8)
+        w = _load_decode_tile(w_rows, s_rows, n_mask, kw0, KW, KG, BLOCK_N, BLOCK_K, DECODE)
+        xt = _load_act_t(x_rows, m_mask, kw0, K, BLOCK_K)
+        acc = _dot_acc(w, xt, acc, DOT_F32)
     acc = acc * (tl.load(gs_ptr) * (2.0**ACC_FIX_EXP))
     mask = n_mask & m_mask
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -468,7 +505,7 @@ def nvfp4_gemm(
     gs = _as_scalar_tensor(global_scale, x.device)
     _nvfp4_gemm_kernel[(grid_n, split, grid_m)](
         x,
-        packed,
+        packed.view(torch.int32),
         scale.view(torch.uint8),
         gs,
         out,
@@ -485,6 +522,7 @@ def nvfp4_gemm(
         SPLIT_K=split,
         K_ITERS=k_iters,
         DECODE=default_decode() if decode is None else decode,
+        DOT_F32=interpreting(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

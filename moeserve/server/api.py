@@ -65,6 +65,22 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 # ----------------------------------------------------------------------------- errors
 
 
+REQUEST_FIELDS = frozenset(
+    name
+    for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+    for name in model.model_fields
+)
+
+
+def _sentence(text: str) -> str:
+    """One line, capitalised unless it starts with an identifier, ending in a full stop."""
+    text = " ".join(text.split())
+    first = text.split(" ", 1)[0]
+    if "_" not in first and first[:1].islower():
+        text = text[:1].upper() + text[1:]
+    return text if text.endswith((".", "?", "!")) else text + "."
+
+
 class ApiError(Exception):
     """A user-facing error: one clear sentence, an HTTP status and the OpenAI error type."""
 
@@ -76,9 +92,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
-        message = " ".join(message.split())  # one line
-        if not message.endswith((".", "?", "!")):
-            message += "."
+        message = _sentence(message)
         super().__init__(message)
         self.message, self.status, self.err_type = message, status, err_type
         self.param, self.code = param, code
@@ -125,14 +139,18 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if kind == "json_invalid":
         return "The request body is not valid JSON.", None
     param = _param_of(loc)
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ").rstrip(".")
     if param is None:
         if kind == "missing":
             return "The request body is missing; send a JSON object.", None
-        return "The request body must be a JSON object.", None
+        if kind in ("model_attributes_type", "dict_type", "model_type"):
+            return "The request body must be a JSON object.", None
+        # a check across fields; its message starts with the field it blames, if any
+        first = msg.split(" ", 1)[0]
+        return _sentence(msg), first if first in REQUEST_FIELDS else None
     if kind == "missing":
         return f"Missing required parameter '{param}'.", param
-    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-    return f"Invalid value for '{param}': {msg[:1].lower() + msg[1:]}.".replace("..", "."), param
+    return f"Invalid value for '{param}': {msg[:1].lower() + msg[1:]}.", param
 
 
 # ----------------------------------------------------------------------------- middleware
@@ -228,9 +246,7 @@ class GenerationGroup:
                     self.finished.add(sub.request_id)
                 self._queue.put_nowait((sub.index, out))
             self._queue.put_nowait(_Done(sub.index))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # handed to the consumer, which re-raises it
+        except Exception as e:  # handed to the consumer, which re-raises it
             self._queue.put_nowait(e)
 
     async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -308,15 +324,23 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
-        return self.config.served_model_name
+        """The configured served name, else (config left at its default) the engine's."""
+        configured = self.config.served_model_name
+        if configured == ServerConfig().served_model_name:
+            return getattr(self.engine, "model_name", None) or configured
+        return configured
 
     def check_model(self, model: str | None) -> None:
         if model is None:
             return
-        if model not in (self.config.served_model_name, getattr(self.engine, "model_name", None)):
+        known = (
+            self.model_name,
+            self.config.served_model_name,
+            getattr(self.engine, "model_name", None),
+        )
+        if model not in known:
             raise ApiError(
-                f"The model '{model}' does not exist; this server serves "
-                f"'{self.config.served_model_name}'.",
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
                 404,
                 "NotFoundError",
                 "model",

@@ -77,7 +77,6 @@ class ReasoningParser:
         self.fmt = fmt
         self._state = self._REASONING if in_reasoning else self._PRE
         self._buf = ""
-        self.saw_reasoning = in_reasoning
 
     def feed(self, text: str) -> tuple[str, str]:
         """Consume a delta; returns the (reasoning, content) that can be emitted now."""
@@ -94,7 +93,6 @@ class ReasoningParser:
                 if stripped.startswith(self.fmt.start):
                     self._buf = stripped[len(self.fmt.start) :]
                     self._state = self._REASONING
-                    self.saw_reasoning = True
                 elif self.fmt.start.startswith(stripped):
                     break  # could still become the start marker
                 else:
@@ -332,17 +330,21 @@ def reasoning_starts_open(fmt: ReasoningFormat, prompt_text: str) -> bool:
     return tail.endswith(fmt.start)
 
 
+REASONING_PARSER_NAMES = (*REASONING_FORMATS, NONE_PARSER)  # for --reasoning-parser choices
+TOOL_PARSER_NAMES = (*TOOL_FORMATS, NONE_PARSER)  # for --tool-call-parser choices
+
+
 def check_parser_names(reasoning_parser: str | None, tool_parser: str | None) -> None:
     """Raise ValueError (one sentence) for an unknown parser name."""
     if reasoning_parser not in (None, NONE_PARSER, *REASONING_FORMATS):
         raise ValueError(
             f"Unknown reasoning parser {reasoning_parser!r}; "
-            f"choose one of {', '.join([*REASONING_FORMATS, NONE_PARSER])}."
+            f"choose one of {', '.join(REASONING_PARSER_NAMES)}."
         )
     if tool_parser not in (None, NONE_PARSER, *TOOL_FORMATS):
         raise ValueError(
             f"Unknown tool-call parser {tool_parser!r}; "
-            f"choose one of {', '.join([*TOOL_FORMATS, NONE_PARSER])}."
+            f"choose one of {', '.join(TOOL_PARSER_NAMES)}."
         )
 
 

@@ -8,7 +8,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from moeserve.kernels import moe  # noqa: E402
-from moeserve.kernels.nvfp4_gemm import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
+from moeserve.kernels.nvfp4_gemm import (  # noqa: E402
+    DECODE_ARITH,
+    DECODE_BITS,
+    dequantize_nvfp4,
+    quantize_nvfp4,
+)
 
 
 def _stack(e, n, k, gen):
@@ -75,15 +80,23 @@ GU = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)
 DN = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
 
 
-@pytest.mark.parametrize("m,k,cfgs", [(1, 3, (GU, DN)), (5, 3, (None, None)), (40, 2, (GU, DN))])
-def test_fused_matches_reference(weights, m, k, cfgs):
+@pytest.mark.parametrize(
+    "m,k,cfgs,decode",
+    [
+        (1, 3, (GU, DN), DECODE_BITS),
+        (5, 3, (None, None), DECODE_ARITH),
+        (40, 2, (GU, DN), DECODE_BITS),  # experts with more than BLOCK_M slots
+    ],
+)
+def test_fused_matches_reference(weights, m, k, cfgs, decode):
     e, h, i, (w13, s13, g13), (w2, s2, g2) = weights
     ids, tw = _route(m, e, k, 100 + m)
     x = torch.randn(m, h).to(torch.bfloat16)
     ref = moe.fused_moe_nvfp4_ref(x, ids, tw, w13, s13, g13, w2, s2, g2).float()
     out = torch.empty(m, h, dtype=torch.bfloat16)
     y = moe.fused_moe_nvfp4(
-        x, ids, tw, w13, s13, g13, w2, s2, g2, out=out, gate_up_config=cfgs[0], down_config=cfgs[1]
+        x, ids, tw, w13, s13, g13, w2, s2, g2, out=out, gate_up_config=cfgs[0], down_config=cfgs[1],
+        decode=decode,
     )
     assert y.data_ptr() == out.data_ptr()
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())

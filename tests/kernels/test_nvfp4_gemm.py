@@ -170,9 +170,13 @@ SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_sta
         (5, 24, 528, dict(SMALL, SPLIT_K=5)),  # K = 33 groups of 16
     ],
 )
-def test_triton_gemm_matches_reference(m, n, k, cfg):
+@pytest.mark.parametrize("decode", [nv.DECODE_ARITH, nv.DECODE_BITS])
+def test_triton_gemm_matches_reference(m, n, k, cfg, decode):
+    # DECODE_BITS runs the packed-word bit moves of the GPU decode (minus the PTX) and the
+    # code-order permutation; DECODE_ARITH decodes each element independently.
     x, packed, scale, gs = _case(m, n, k)
-    _assert_matches_ref(nv.nvfp4_gemm(x, packed, scale, gs, config=cfg), x, packed, scale, gs)
+    y = nv.nvfp4_gemm(x, packed, scale, gs, config=cfg, decode=decode)
+    _assert_matches_ref(y, x, packed, scale, gs)
 
 
 def test_splitk_workspace_left_zero_and_reusable():

@@ -13,8 +13,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi.testclient import TestClient
+
+from moeserve.config import ServerConfig
 from moeserve.engine.outputs import RequestOutput, TokenLogprob
 from moeserve.sampling import SamplingParams
+from moeserve.server.api import create_app
 
 SPECIALS = [
     "<pad>",
@@ -182,7 +186,9 @@ class FakeEngine:
                 out_text += piece
                 for s in params.stop:
                     if s in out_text:
-                        cut = out_text.index(s) + (len(s) if params.include_stop_str_in_output else 0)
+                        cut = out_text.index(s) + (
+                            len(s) if params.include_stop_str_in_output else 0
+                        )
                         piece = piece[: len(piece) - (len(out_text) - cut)]
                         finish, stop_reason = "stop", s
                         break
@@ -210,9 +216,23 @@ class FakeEngine:
         self._abort_flags.add(request_id)
 
     def metrics_text(self) -> str:
-        return "# TYPE fake_engine_requests_total counter\nfake_engine_requests_total %d\n" % len(
-            self.requests
-        )
+        n = len(self.requests)
+        return f"# TYPE fake_engine_requests_total counter\nfake_engine_requests_total {n}\n"
 
     def is_healthy(self) -> bool:
         return self.healthy
+
+
+MODEL = "fake-model"
+
+
+def make_client(engine=None, api_key=None, reasoning_parser=None, tool_parser=None):
+    """A TestClient over create_app(FakeEngine) and the engine (for inspection)."""
+    engine = engine or FakeEngine(model_name=MODEL)
+    app = create_app(
+        engine,
+        ServerConfig(api_key=api_key, served_model_name=MODEL),
+        reasoning_parser=reasoning_parser,
+        tool_parser=tool_parser,
+    )
+    return TestClient(app), engine

@@ -7,8 +7,7 @@ import time
 
 import httpx
 import pytest
-from conftest import MODEL, make_client
-from fake_engine import EOS, OFFSET, FakeEngine, FakeTokenizer, fake_logprob
+from fake_engine import EOS, MODEL, OFFSET, FakeEngine, FakeTokenizer, fake_logprob, make_client
 from server_thread import ServerThread
 
 from moeserve.config import ServerConfig
@@ -158,7 +157,12 @@ def test_chat_logprobs(client):
     # stream: one logprob entry per generated token
     body = chat("count", logprobs=True, max_tokens=5, stream=True)
     chunks = sse_events(client.post("/v1/chat/completions", json=body).text)[:-1]
-    entries = [e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    entries = [
+        e
+        for c in chunks
+        if c["choices"][0]["logprobs"]
+        for e in c["choices"][0]["logprobs"]["content"]
+    ]
     assert [e["token"] for e in entries] == list("01234")
 
 
@@ -224,7 +228,10 @@ def test_chat_template_options(client):
         "max_tokens": 1,
         "messages": [
             {"role": "developer", "content": "be brief"},
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
         ],
     }
     assert client.post("/v1/chat/completions", json=body).status_code == 200
@@ -239,7 +246,9 @@ def test_chat_template_options(client):
 def test_completion_prompt_forms(client):
     ids = TOK.encode("hi", add_special_tokens=False)
     for prompt, n_prompts in [("hi", 1), (["hi", "yo!"], 2), (ids, 1), ([ids, ids + ids], 2)]:
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "n": 2})
+        r = client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3, "n": 2}
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["object"] == "text_completion"
@@ -320,26 +329,98 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b"{not json", 400, "invalid_request_error", None),
     ("/v1/chat/completions", b"[1, 2]", 400, "invalid_request_error", None),
     ("/v1/chat/completions", {**GOOD_CHAT, "model": "nope"}, 404, "NotFoundError", "model"),
-    ("/v1/chat/completions", {**GOOD_CHAT, "max_tokens": -1}, 400, "invalid_request_error", "max_tokens"),
-    ("/v1/chat/completions", {**GOOD_CHAT, "max_tokens": 10**12}, 400, "invalid_request_error", "messages"),
-    ("/v1/chat/completions", {**GOOD_CHAT, "max_tokens": "many"}, 400, "invalid_request_error", "max_tokens"),
-    ("/v1/chat/completions", {**GOOD_CHAT, "messages": "hi"}, 400, "invalid_request_error", "messages"),
-    ("/v1/chat/completions", {**GOOD_CHAT, "messages": []}, 400, "invalid_request_error", "messages"),
+    (
+        "/v1/chat/completions",
+        {**GOOD_CHAT, "max_tokens": -1},
+        400,
+        "invalid_request_error",
+        "max_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {**GOOD_CHAT, "max_tokens": 10**12},
+        400,
+        "invalid_request_error",
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        {**GOOD_CHAT, "max_tokens": "many"},
+        400,
+        "invalid_request_error",
+        "max_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {**GOOD_CHAT, "messages": "hi"},
+        400,
+        "invalid_request_error",
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        {**GOOD_CHAT, "messages": []},
+        400,
+        "invalid_request_error",
+        "messages",
+    ),
     ("/v1/chat/completions", {"model": MODEL}, 400, "invalid_request_error", "messages"),
     ("/v1/chat/completions", chat("x", n=0), 400, "invalid_request_error", "n"),
     ("/v1/chat/completions", chat("x", n=10_000), 400, "invalid_request_error", "n"),
-    ("/v1/chat/completions", chat("x", logprobs=True, top_logprobs=21), 400, "invalid_request_error", "top_logprobs"),
-    ("/v1/chat/completions", chat("x", temperature=-1), 400, "invalid_request_error", "temperature"),
+    (
+        "/v1/chat/completions",
+        chat("x", logprobs=True, top_logprobs=21),
+        400,
+        "invalid_request_error",
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        chat("x", temperature=-1),
+        400,
+        "invalid_request_error",
+        "temperature",
+    ),
     ("/v1/chat/completions", chat("x", top_p=0), 400, "invalid_request_error", "top_p"),
     ("/v1/chat/completions", chat("x", top_k=-5), 400, "invalid_request_error", "top_k"),
-    ("/v1/chat/completions", chat("x", stream_options={"include_usage": True}), 400, "invalid_request_error", None),
+    (
+        "/v1/chat/completions",
+        chat("x", stream_options={"include_usage": True}),
+        400,
+        "invalid_request_error",
+        "stream_options",
+    ),
     ("/v1/chat/completions", chat("x", stop=[""]), 400, "invalid_request_error", "stop"),
     ("/v1/chat/completions", chat("x" * 600), 400, "invalid_request_error", "messages"),
     ("/v1/chat/completions", chat("REJECT", max_tokens=2), 400, "invalid_request_error", None),
-    ("/v1/chat/completions", chat("REJECT", max_tokens=2, stream=True), 400, "invalid_request_error", None),
-    ("/v1/chat/completions", chat("x", chat_template_kwargs={"explode": True}), 400, "invalid_request_error", None),
-    ("/v1/chat/completions", chat("x", tool_choice="required"), 400, "invalid_request_error", None),
-    ("/v1/chat/completions", chat("x", logit_bias={"5": 1.0}), 400, "invalid_request_error", None),
+    (
+        "/v1/chat/completions",
+        chat("REJECT", max_tokens=2, stream=True),
+        400,
+        "invalid_request_error",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        chat("x", chat_template_kwargs={"explode": True}),
+        400,
+        "invalid_request_error",
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        chat("x", tool_choice="required"),
+        400,
+        "invalid_request_error",
+        "tool_choice",
+    ),
+    (
+        "/v1/chat/completions",
+        chat("x", logit_bias={"5": 1.0}),
+        400,
+        "invalid_request_error",
+        "logit_bias",
+    ),
     (
         "/v1/chat/completions",
         {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
@@ -356,13 +437,49 @@ BAD_REQUESTS = [
     ),
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "invalid_request_error", "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "invalid_request_error", "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": [-1, 4]}, 400, "invalid_request_error", "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": [[5], [10**9]]}, 400, "invalid_request_error", "prompt.1"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "invalid_request_error", "logprobs"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 512}, 400, "invalid_request_error", "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "invalid_request_error", "max_tokens"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": [-1, 4]},
+        400,
+        "invalid_request_error",
+        "prompt",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": [[5], [10**9]]},
+        400,
+        "invalid_request_error",
+        "prompt.1",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "logprobs": 21},
+        400,
+        "invalid_request_error",
+        "logprobs",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 512},
+        400,
+        "invalid_request_error",
+        "prompt",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": -3},
+        400,
+        "invalid_request_error",
+        "max_tokens",
+    ),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "NotFoundError", "model"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "invalid_request_error", None),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "suffix": "y"},
+        400,
+        "invalid_request_error",
+        "suffix",
+    ),
     ("/tokenize", {"prompt": "x", "messages": []}, 400, "invalid_request_error", None),
     ("/detokenize", {"tokens": [10**9]}, 400, "invalid_request_error", "tokens"),
     ("/v1/nothing", {}, 404, "NotFoundError", None),
@@ -370,7 +487,9 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize(("path", "body", "status", "etype", "param"), BAD_REQUESTS)
-def test_bad_input_gets_openai_error_then_server_still_serves(client, path, body, status, etype, param):
+def test_bad_input_gets_openai_error_then_server_still_serves(
+    client, path, body, status, etype, param
+):
     if isinstance(body, bytes):
         r = client.post(path, content=body, headers={"content-type": "application/json"})
     else:
@@ -393,7 +512,9 @@ def test_context_length_message(client):
         f"{n + 10**6} tokens ({n} in the messages, {10**6} in the completion)."
     )
     assert r.json()["error"]["code"] == "context_length_exceeded"
-    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 600, "max_tokens": None})
+    r = client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "x" * 600, "max_tokens": None}
+    )
     assert "However, your request has 601 input tokens" in r.json()["error"]["message"]
 
 
@@ -420,7 +541,9 @@ def test_api_key():
             assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
         assert c.get("/v1/models").status_code == 401
         assert c.post("/tokenize", json={"prompt": "a"}).status_code == 401
-        ok = c.post("/v1/chat/completions", json=GOOD_CHAT, headers={"Authorization": "Bearer s3cret"})
+        ok = c.post(
+            "/v1/chat/completions", json=GOOD_CHAT, headers={"Authorization": "Bearer s3cret"}
+        )
         assert ok.status_code == 200
         assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
@@ -435,12 +558,16 @@ def test_tokenizer_endpoints(client):
     msgs = [{"role": "user", "content": "yo"}]
     r = client.post("/tokenize", json={"messages": msgs}).json()
     assert r["tokens"] == rendered_ids(msgs)
-    r = client.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False, "return_token_strs": True})
+    r = client.post(
+        "/tokenize", json={"prompt": "ab", "add_special_tokens": False, "return_token_strs": True}
+    )
     assert r.json()["token_strs"] == ["a", "b"]
     r = client.post("/detokenize", json={"tokens": TOK.encode("hé<think>", False)}).json()
     assert r == {"prompt": "hé<think>"}
     info = client.get("/tokenizer_info").json()
-    assert info["eos_token"] == "</s>" and info["bos_token"] == "<s>" and info["pad_token"] == "<pad>"
+    assert (
+        info["eos_token"] == "</s>" and info["bos_token"] == "<s>" and info["pad_token"] == "<pad>"
+    )
     assert info["chat_template"] == TOK.chat_template and info["model_max_length"] == 512
 
 
@@ -470,8 +597,13 @@ def test_client_disconnect_aborts_stream_and_non_stream():
         assert _wait_for(lambda: len(engine.aborted) == 1), engine.aborted
         assert engine.aborted[0] == engine.requests[0][0]
         # non-streaming: the client gives up before the answer exists
-        with httpx.Client(base_url=srv.base_url, timeout=0.3) as http, pytest.raises(httpx.ReadTimeout):
-            http.post("/v1/completions", json={"model": MODEL, "prompt": "p", "max_tokens": 400, "n": 2})
+        with (
+            httpx.Client(base_url=srv.base_url, timeout=0.3) as http,
+            pytest.raises(httpx.ReadTimeout),
+        ):
+            http.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "p", "max_tokens": 400, "n": 2}
+            )
         assert _wait_for(lambda: len(engine.aborted) == 3), engine.aborted
         assert set(engine.aborted[1:]) == {r[0] for r in engine.requests[1:]}
         # and it still serves
@@ -481,9 +613,11 @@ def test_client_disconnect_aborts_stream_and_non_stream():
     assert not set(engine.aborted) & set(engine.finished)
 
 
-# ----------------------------------------------------------------------------- parsers in the server
+# ----------------------------------------------------------------------------- parsers, via HTTP
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+]
 CALL = (
     "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
     '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
@@ -543,7 +677,10 @@ def test_reasoning_and_tool_calls_stream(kimi_client):
         "type": "function",
         "function": {"name": "get_weather", "arguments": ""},
     }
-    assert all(tc == {"index": 0, "function": {"arguments": tc["function"]["arguments"]}} for tc in calls[1:])
+    assert all(
+        tc == {"index": 0, "function": {"arguments": tc["function"]["arguments"]}}
+        for tc in calls[1:]
+    )
     assert "".join(tc["function"]["arguments"] for tc in calls) == '{"city": "Paris"}'
     assert len(calls) > 2  # arguments are streamed in pieces, not at the end
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -9,9 +9,9 @@ import pytest
 from moeserve.server.chat import (
     REASONING_FORMATS,
     ChatDelta,
+    KimiToolFormat,
     ReasoningParser,
     ToolCallParser,
-    KimiToolFormat,
     kimi_function_name,
     make_output_parser,
     merge_tool_deltas,
@@ -60,7 +60,13 @@ REASONING_CASES = [
     # (parser name, starts open, text, reasoning, content)
     ("deepseek_r1", False, "<think>a < b</think>\n\nYes.", "a < b", "\n\nYes."),
     ("deepseek_r1", False, "  \n<think>x</think>y", "x", "y"),
-    ("deepseek_r1", False, "Plain answer with <think> later", "", "Plain answer with <think> later"),
+    (
+        "deepseek_r1",
+        False,
+        "Plain answer with <think> later",
+        "",
+        "Plain answer with <think> later",
+    ),
     ("deepseek_r1", False, "<thinking is fun", "", "<thinking is fun"),
     ("deepseek_r1", True, "still thinking</think>done", "still thinking", "done"),
     ("deepseek_r1", True, "cut off while thinking </th", "cut off while thinking </th", ""),

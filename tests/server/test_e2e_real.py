@@ -17,6 +17,10 @@ from server_thread import ServerThread
 from moeserve.config import ServerConfig
 from moeserve.server.api import create_app
 
+# everything is local: no hub look-ups (read by huggingface_hub when first imported)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 engine_mod = pytest.importorskip("moeserve.engine.engine")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,6 +30,9 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="session")
 def server():
+    import torch
+
+    threads = torch.get_num_threads()  # the engine build sets it process-wide
     engine = engine_mod.build_async_engine(
         dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, threads=1
     )
@@ -37,6 +44,7 @@ def server():
             yield srv
     finally:
         engine.shutdown()
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
@@ -160,7 +168,12 @@ def test_prefix_cache_hits_on_repeat(server, client):
         r = client.chat.completions.create(
             model=server.model, messages=messages, temperature=0, max_tokens=8
         )
-        outs.append((r.choices[0].message.content, metric(server, "moeserve_prefix_cache_hits_total") - before))
+        outs.append(
+            (
+                r.choices[0].message.content,
+                metric(server, "moeserve_prefix_cache_hits_total") - before,
+            )
+        )
     (first, _), (second, hits) = outs
     assert first == second
     n_prompt = len(chat_prompt_ids(server, messages))
@@ -188,6 +201,7 @@ def test_disconnect_frees_the_request(server):
         time.sleep(0.05)
     assert running == 0
     assert metric(server, 'moeserve_requests_finished_total{finish_reason="abort"}') == aborted + 1
+    assert metric(server, "moeserve_kv_cache_usage_ratio") == 0.0  # its pages are free again
 
 
 def _lm_eval_task_manager():
@@ -204,14 +218,12 @@ def _per_choice(results) -> dict[int, list[float]]:
     }
 
 
-def test_lm_eval_local_completions_matches_hf(server, monkeypatch):
+def test_lm_eval_local_completions_matches_hf(server):
     lm_eval = pytest.importorskip("lm_eval")
     transformers = pytest.importorskip("transformers")
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     task = "moeserve_mini_mc"
     served = lm_eval.simple_evaluate(
         model="local-completions",
