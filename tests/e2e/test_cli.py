@@ -71,3 +71,12 @@ def test_serve_tiny_kimi_nvfp4_checkpoint(cli_server, tmp_path):
     )
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_streams_an_answer():
+    r = subprocess.run(
+        [sys.executable, "-m", "moeserve.cli", "chat", "--temperature", "0", "--max-tokens", "24"],
+        input="What is the capital of France?\n\n", capture_output=True, text=True, timeout=180,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
