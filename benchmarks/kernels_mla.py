@@ -637,9 +637,10 @@ def prefill_rows(env: Env, shapes: list[tuple[int, int]]) -> list[dict]:
 # ----------------------------------------------------------------------------- report
 
 
-def kernel_diagnostics(out_dir: str) -> list[dict]:
+def kernel_diagnostics() -> list[dict]:
     """Registers, spills, shared memory and MMA/pipelining markers of every compiled
-    decode split kernel; TTGIR dumped next to the results for offline reading."""
+    decode split kernel. Only counts are kept: one file per kernel would exceed what the
+    GPU machine returns (run 2 lost its JSON that way)."""
     rows = []
     fn = dec._mla_decode_split_kernel
     caches = getattr(fn, "device_caches", {})
@@ -663,11 +664,6 @@ def kernel_diagnostics(out_dir: str) -> list[dict]:
             row["async_copy"] = ttgir.count("async_copy_global_to_local")
             row["local_alloc"] = ttgir.count("local_alloc")
             row["convert_layout"] = ttgir.count("convert_layout")
-            try:
-                with open(os.path.join(out_dir, f"decode_split_{i}.ttgir"), "w") as f:
-                    f.write(ttgir)
-            except OSError:
-                pass
             rows.append(row)
             print(f"  kernel {i}: {row}", flush=True)
     return rows
@@ -882,7 +878,7 @@ def main() -> None:
     save()
     batches, ctxs = ([1, 8, 64], [4096, 32768, 131072]) if not smoke else ([1, 2], [40])
     res["decode"] = []
-    res["compiled_kernels"] = section("diagnostics", lambda: kernel_diagnostics(args.out)) or []
+    res["compiled_kernels"] = section("diagnostics", kernel_diagnostics) or []
     section(
         "decode",
         lambda: decode_grid(env, best, sms, batches, ctxs, qk_cfg, res["decode"], save),

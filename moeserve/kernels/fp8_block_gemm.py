@@ -157,7 +157,8 @@ def fp8_block_gemm(
         or not scale_inv.is_contiguous()
     ):
         raise ValueError(
-            f"scale_inv must be contiguous fp32 {(nb, kb)}, got {scale_inv.dtype} {tuple(scale_inv.shape)}"
+            f"scale_inv must be contiguous fp32 {(nb, kb)}, "
+            f"got {scale_inv.dtype} {tuple(scale_inv.shape)}"
         )
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -34,8 +34,8 @@ from moeserve.kernels.nvfp4_gemm import (
     _load_act_t,
     _load_decode_tile,
     default_decode,
-    interpreting,
     dequantize_nvfp4,
+    interpreting,
 )
 
 ALIGN_CHUNK = 1024  # slots handled per vector step inside the single-program align kernel
@@ -367,7 +367,7 @@ def fused_moe_nvfp4(
         out = torch.empty(m, h, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    dec = default_decode() if decode is None else decode
+    dec = default_decode(x.device) if decode is None else decode
     cfg1 = gate_up_config or tile_config("moe_gate_up", m, f"{num_e}:{two_i}x{h}")
     cfg2 = down_config or tile_config("moe_down", m, f"{num_e}:{h}x{inter_size}")
     bm = cfg1["BLOCK_M"]  # the alignment block size is shared by both GEMMs

@@ -134,9 +134,7 @@ def nvfp4_gemm_ref(
 # bits, normal range); the remaining 2^8 and the global scale scale the fp32 accumulator.
 # The decode works per word (inline PTX with pack=1, so no assumption about how Triton packs
 # several tensor elements into one register) and yields 8 tensors [BLOCK_N, BLOCK_K/8], one per
-# code position; a tree of tl.join puts them side by side, in bit-reversed order inside each
-# word, and the activation columns are loaded in that same order (a dot product does not care
-# about a common permutation of K).
+# code position; a tree of tl.join interleaves them back into K order (see _join8).
 # DECODE_BITS is the same idea in plain Triton integer ops through fp16 (no subnormal bf16
 # arithmetic, which a flush-to-zero multiply would lose), and DECODE_ARITH decodes per element
 # arithmetically; both run in the CPU interpreter and are the tests' view of the bit layout.
@@ -191,22 +189,19 @@ mov.b32 {$3, $7}, r;
 
 
 @triton.jit
-def _k_perm(p):
-    """Tile column p -> K offset inside the tile: the join tree leaves the 8 codes of a word in
-    bit-reversed order (positions 0..7 hold codes 0,4,2,6,1,5,3,7)."""
-    return (p - p % 8) + 4 * (p % 2) + 2 * ((p // 2) % 2) + (p // 4) % 2
-
-
-@triton.jit
 def _join8(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N: tl.constexpr, BW: tl.constexpr):
-    """8 x [BLOCK_N, BW] -> [BLOCK_N, 8*BW] in the order described by _k_perm."""
-    p01 = tl.reshape(tl.join(n0, n1), (BLOCK_N, 2 * BW))
-    p23 = tl.reshape(tl.join(n2, n3), (BLOCK_N, 2 * BW))
-    p45 = tl.reshape(tl.join(n4, n5), (BLOCK_N, 2 * BW))
-    p67 = tl.reshape(tl.join(n6, n7), (BLOCK_N, 2 * BW))
-    q0 = tl.reshape(tl.join(p01, p23), (BLOCK_N, 4 * BW))
-    q1 = tl.reshape(tl.join(p45, p67), (BLOCK_N, 4 * BW))
-    return tl.reshape(tl.join(q0, q1), (BLOCK_N, 8 * BW))
+    """8 x [BLOCK_N, BW] (code j of every word) -> [BLOCK_N, 8*BW] in natural K order.
+
+    A join's new axis becomes the lowest bit of the merged index, so the last join decides bit 0
+    of the code index, the first one bit 2. The first joins pair (n_j, n_{j+4}): exactly the two
+    halves of one decoded bf16x2 register, so they cost no data movement."""
+    a04 = tl.reshape(tl.join(n0, n4), (BLOCK_N, 2 * BW))
+    a26 = tl.reshape(tl.join(n2, n6), (BLOCK_N, 2 * BW))
+    a15 = tl.reshape(tl.join(n1, n5), (BLOCK_N, 2 * BW))
+    a37 = tl.reshape(tl.join(n3, n7), (BLOCK_N, 2 * BW))
+    even = tl.reshape(tl.join(a04, a26), (BLOCK_N, 4 * BW))
+    odd = tl.reshape(tl.join(a15, a37), (BLOCK_N, 4 * BW))
+    return tl.reshape(tl.join(even, odd), (BLOCK_N, 8 * BW))
 
 
 @triton.jit
@@ -249,8 +244,7 @@ def _load_decode_tile(
     """Load and decode one [BLOCK_N, BLOCK_K] NVFP4 weight tile starting at word column kw0.
 
     w_row_ptr [BLOCK_N, 1] int32 pointers to packed rows (8 codes per word), s_row_ptr
-    [BLOCK_N, 1] uint8 pointers to scale rows. Returns bf16 value*scale*2^-8 with column p
-    holding K element 8*(p//8) + _k_perm(p) of the tile.
+    [BLOCK_N, 1] uint8 pointers to scale rows. Returns bf16 value*scale*2^-8 in K order.
     """
     BW: tl.constexpr = BLOCK_K // 8
     BKG: tl.constexpr = BLOCK_K // 16
@@ -303,7 +297,7 @@ def _load_act_t(x_rows_ptr, m_mask, kw0, K, BLOCK_K: tl.constexpr):
 
     x_rows_ptr [1, BLOCK_M] pointers to activation rows, m_mask [1, BLOCK_M].
     """
-    kk = 8 * kw0 + _k_perm(tl.arange(0, BLOCK_K))
+    kk = 8 * kw0 + tl.arange(0, BLOCK_K)
     xt = tl.load(x_rows_ptr + kk[:, None], mask=(kk[:, None] < K) & m_mask, other=0.0)
     return xt.to(tl.bfloat16)
 
@@ -393,10 +387,13 @@ def _nvfp4_gemm_kernel(
 # ----------------------------------------------------------------------------------------------
 
 import functools  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 from moeserve.kernels.configs import tile_config  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 CTAS_PER_SM_TARGET = 4  # split-K aims at this many programs per SM so HBM sees enough requests
 
@@ -406,8 +403,55 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def default_decode() -> int:
-    return DECODE_ARITH if interpreting() else DECODE_ASM
+PROBE_SHAPE = (4, 96, 512)  # (M, N, K) of the one-time decode self-check
+
+
+@functools.lru_cache(maxsize=8)
+def probe_decode(device: torch.device) -> int:
+    """The fastest E2M1 decode that reproduces the torch reference on this device.
+
+    Runs once per device (a tiny GEMM per candidate, no tuning): the inline-PTX decode first,
+    then the plain-Triton bit decode, then per-element arithmetic. Call it before CUDA-graph
+    capture (it synchronises); a fallback logs one line.
+    """
+    if device.type != "cuda":
+        return DECODE_ARITH
+    m, n, k = PROBE_SHAPE
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(device=device, dtype=torch.bfloat16)
+    packed, scale, gs = quantize_nvfp4(torch.randn(n, k, generator=g).to(device))
+    ref = nvfp4_gemm_ref(x, packed, scale, gs).float()
+    tol = 2e-2 * ref.abs().max().item()
+    cfg = {
+        "BLOCK_M": 16,
+        "BLOCK_N": 64,
+        "BLOCK_K": 256,
+        "SPLIT_K": 1,
+        "num_warps": 4,
+        "num_stages": 2,
+    }
+    for mode in (DECODE_ASM, DECODE_BITS):
+        try:
+            y = nvfp4_gemm(x, packed, scale, gs, config=cfg, decode=mode).float()
+            if (y - ref).abs().max().item() <= tol:
+                return mode
+            log.warning(
+                "NVFP4 decode mode %d gives wrong results on %s; trying the next", mode, device
+            )
+        except Exception as e:  # noqa: BLE001 - any compile/launch failure means "not this one"
+            log.warning("NVFP4 decode mode %d unavailable on %s (%s)", mode, device, e)
+    return DECODE_ARITH
+
+
+def default_decode(device: torch.device | None = None) -> int:
+    """Decode mode for kernels launched on `device`: probed once per device (see probe_decode).
+    Under CUDA-graph capture before any probe, the plain-Triton decode is used (one log line)."""
+    if interpreting() or device is None or device.type != "cuda":
+        return DECODE_ARITH
+    if torch.cuda.is_current_stream_capturing() and probe_decode.cache_info().currsize == 0:
+        log.warning("NVFP4 decode not probed before graph capture; using the plain Triton decode")
+        return DECODE_BITS
+    return probe_decode(device)
 
 
 @functools.lru_cache(maxsize=8)
@@ -473,7 +517,8 @@ def nvfp4_gemm(
         or not packed.is_contiguous()
     ):
         raise ValueError(
-            f"packed must be contiguous uint8 [N, {k // 2}], got {packed.dtype} {tuple(packed.shape)}"
+            f"packed must be contiguous uint8 [N, {k // 2}], "
+            f"got {packed.dtype} {tuple(packed.shape)}"
         )
     if k % NVFP4_BLOCK or tuple(scale.shape) != (n, k // NVFP4_BLOCK) or not scale.is_contiguous():
         raise ValueError(
@@ -521,7 +566,7 @@ def nvfp4_gemm(
         BLOCK_K=bk,
         SPLIT_K=split,
         K_ITERS=k_iters,
-        DECODE=default_decode() if decode is None else decode,
+        DECODE=default_decode(x.device) if decode is None else decode,
         DOT_F32=interpreting(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

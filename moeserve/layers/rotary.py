@@ -80,6 +80,8 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
         self.register_buffer("cos", freqs.cos() * mag, persistent=False)
         self.register_buffer("sin", freqs.sin() * mag, persistent=False)
+        # all layers of a forward share one positions tensor: gather cos/sin once for it
+        self._memo: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         d = self.rotary_dim
@@ -93,9 +95,33 @@ class RotaryEmbedding(nn.Module):
         y = y.to(x.dtype)
         return y if rest.shape[-1] == 0 else torch.cat((y, rest), dim=-1)
 
+    def _neox_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self._memo
+        if m is None or m[0] is not positions or m[1] != dtype:
+            cos = self.cos[positions].to(dtype)
+            sin = self.sin[positions].to(dtype)
+            m = (
+                positions,
+                dtype,
+                torch.cat((cos, cos), -1)[:, None],
+                torch.cat((-sin, sin), -1)[:, None],
+            )
+            self._memo = m
+        return m[2], m[3]
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.interleaved and q.shape[-1] == self.rotary_dim:
+            # HF's form, in the activation dtype: x*cos + rotate_half(x)*sin, q and k at once
+            cos, sin = self._neox_tables(positions, q.dtype)
+            nq = q.shape[1]
+            x = torch.cat((q, k), dim=1)
+            half = self.rotary_dim // 2
+            y = x * cos + torch.cat((x[..., half:], x[..., :half]), -1) * sin
+            return y[:, :nq], y[:, nq:]
         cos = self.cos[positions].unsqueeze(-2)  # [T, 1, d/2]
         sin = self.sin[positions].unsqueeze(-2)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

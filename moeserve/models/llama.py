@@ -28,6 +28,7 @@ class LlamaAttention(nn.Module):
         quant: QuantConfig | None,
         tp: TPGroup,
         dtype: torch.dtype,
+        rotary: RotaryEmbedding,
     ) -> None:
         super().__init__()
         d = cfg.head_dim
@@ -47,9 +48,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             cfg.num_attention_heads * d, cfg.hidden_size, prefix=f"{prefix}.o_proj", **kw
         )
-        self.rotary = RotaryEmbedding(
-            d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
+        self.rotary = [rotary]  # shared by all layers (a list: not a submodule of each)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
 
     def forward(
@@ -61,7 +60,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary[0](positions, q, k)
         o = self.attn(q, k, v, ctx)
         return self.o_proj(o.flatten(1))
 
@@ -96,10 +95,11 @@ class LlamaDecoderLayer(nn.Module):
         quant: QuantConfig | None,
         tp: TPGroup,
         dtype: torch.dtype,
+        rotary: RotaryEmbedding,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, f"{prefix}.self_attn", quant, tp, dtype)
+        self.self_attn = LlamaAttention(cfg, f"{prefix}.self_attn", quant, tp, dtype, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", quant, tp, dtype)
 
@@ -125,8 +125,11 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, f"model.layers.{i}", quant, tp, dtype)
+            LlamaDecoderLayer(cfg, f"model.layers.{i}", quant, tp, dtype, self.rotary)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

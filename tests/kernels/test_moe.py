@@ -95,7 +95,18 @@ def test_fused_matches_reference(weights, m, k, cfgs, decode):
     ref = moe.fused_moe_nvfp4_ref(x, ids, tw, w13, s13, g13, w2, s2, g2).float()
     out = torch.empty(m, h, dtype=torch.bfloat16)
     y = moe.fused_moe_nvfp4(
-        x, ids, tw, w13, s13, g13, w2, s2, g2, out=out, gate_up_config=cfgs[0], down_config=cfgs[1],
+        x,
+        ids,
+        tw,
+        w13,
+        s13,
+        g13,
+        w2,
+        s2,
+        g2,
+        out=out,
+        gate_up_config=cfgs[0],
+        down_config=cfgs[1],
         decode=decode,
     )
     assert y.data_ptr() == out.data_ptr()

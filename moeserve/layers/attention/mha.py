@@ -42,8 +42,8 @@ class PagedAttention(nn.Module):
         md = ctx.attn
         kf = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         vf = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        kf.index_copy_(0, md.slot_mapping, k.to(kf.dtype))
-        vf.index_copy_(0, md.slot_mapping, v.to(vf.dtype))
+        kf.index_copy_(0, md.slot_mapping, k if k.dtype == kf.dtype else k.to(kf.dtype))
+        vf.index_copy_(0, md.slot_mapping, v if v.dtype == vf.dtype else v.to(vf.dtype))
         if md.is_decode_only:
             return self._decode(q, md)
         out = torch.empty_like(q)
@@ -63,14 +63,20 @@ class PagedAttention(nn.Module):
     def _gather(
         self, table: torch.Tensor, n: int, page_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        pages = table[: -(-n // page_size)]
-        k = self.k_cache[pages].flatten(0, 1)[:n]  # [n, KVH, D]
-        v = self.v_cache[pages].flatten(0, 1)[:n]
+        pages = table[: -(-n // page_size)].long()
+        k = self.k_cache.index_select(0, pages).flatten(0, 1)[:n]  # [n, KVH, D]
+        v = self.v_cache.index_select(0, pages).flatten(0, 1)[:n]
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, md) -> torch.Tensor:
         """One new token per sequence: gather each sequence's keys, pad, one batched SDPA."""
         L, ps = md.max_seq_len, md.page_size
+        if md.num_seqs == 1:  # nothing to pad: no mask
+            k, v = self._gather(md.block_tables[0], L, ps)
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2), k[None], v[None], scale=self.scale, enable_gqa=True
+            )
+            return o.squeeze(2)
         pages = md.block_tables[:, : -(-L // ps)]
         k = self.k_cache[pages].flatten(1, 2)[:, :L].transpose(1, 2)  # [B, KVH, L, D]
         v = self.v_cache[pages].flatten(1, 2)[:, :L].transpose(1, 2)
