@@ -28,6 +28,7 @@ import triton
 from moeserve.kernels import fp8_block_gemm as f8
 from moeserve.kernels import moe as moe_mod
 from moeserve.kernels import nvfp4_gemm as nv
+from moeserve.kernels.configs import tile_config
 
 HBM_BYTES_PER_S = 4.3e12
 L2_FLUSH_BYTES = 256 << 20  # cycle weight copies until one pass exceeds this (L2 is 50 MB)
@@ -290,7 +291,7 @@ def bench_nvfp4(
                 "N": n,
                 "K": k,
                 "M": m,
-                "config": cfg,
+                "config": cfg or tile_config("nvfp4_gemm", m, f"{n}x{k}"),
                 **t,
                 "bytes": b,
                 "GBps": b / t["us"] / 1e3,
@@ -360,7 +361,7 @@ def bench_fp8(dev: str, sweep: bool, records: list, best_cfgs: dict) -> None:
                 "N": n,
                 "K": k,
                 "M": m,
-                "config": cfg,
+                "config": cfg or tile_config("fp8_block_gemm", m, f"{n}x{k}"),
                 **t,
                 "bytes": b,
                 "GBps": b / t["us"] / 1e3,
@@ -479,7 +480,10 @@ def bench_moe(dev: str, decode: int, sweep: bool, records: list, best_cfgs: dict
             "kernel": "fused_moe_nvfp4",
             "M": m,
             "experts_touched_mean": statistics.mean(touched),
-            "config": {"gate_up": c1, "down": c2},
+            "config": {
+                "gate_up": c1 or tile_config("moe_gate_up", m, ""),
+                "down": c2 or tile_config("moe_down", m, ""),
+            },
             **t,
             "bytes": b,
             "GBps": b / t["us"] / 1e3,

@@ -306,9 +306,11 @@ def moe_align(
         E_P=triton.next_power_of_2(num_experts),
         CHUNK=ALIGN_CHUNK,
         BCHUNK=ALIGN_BCHUNK,
-        SORT_CHUNKS=triton.cdiv(nb * block_m, ALIGN_CHUNK),
-        SLOT_CHUNKS=triton.cdiv(mk, ALIGN_CHUNK),
-        BLK_CHUNKS=triton.cdiv(nb, ALIGN_BCHUNK),
+        # chunk counts rounded up to powers of two: extra chunks are fully masked, and serving
+        # many batch sizes then compiles only a handful of variants of this kernel
+        SORT_CHUNKS=triton.next_power_of_2(triton.cdiv(nb * block_m, ALIGN_CHUNK)),
+        SLOT_CHUNKS=triton.next_power_of_2(triton.cdiv(mk, ALIGN_CHUNK)),
+        BLK_CHUNKS=triton.next_power_of_2(triton.cdiv(nb, ALIGN_BCHUNK)),
         num_warps=4,
     )
     return sorted_ids, expert_ids

@@ -189,19 +189,22 @@ mov.b32 {$3, $7}, r;
 
 
 @triton.jit
-def _join8(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N: tl.constexpr, BW: tl.constexpr):
-    """8 x [BLOCK_N, BW] (code j of every word) -> [BLOCK_N, 8*BW] in natural K order.
+def _kperm(p):
+    # position p within 8 -> code j: p = 4*c2 + 2*c1 + b ; pair i = 2*c2 + c1 ; j = i + 4*b
+    b = p % 2
+    i = (p % 8) // 2
+    return (p - p % 8) + i + 4 * b
 
-    A join's new axis becomes the lowest bit of the merged index, so the last join decides bit 0
-    of the code index, the first one bit 2. The first joins pair (n_j, n_{j+4}): exactly the two
-    halves of one decoded bf16x2 register, so they cost no data movement."""
-    a04 = tl.reshape(tl.join(n0, n4), (BLOCK_N, 2 * BW))
-    a26 = tl.reshape(tl.join(n2, n6), (BLOCK_N, 2 * BW))
-    a15 = tl.reshape(tl.join(n1, n5), (BLOCK_N, 2 * BW))
-    a37 = tl.reshape(tl.join(n3, n7), (BLOCK_N, 2 * BW))
-    even = tl.reshape(tl.join(a04, a26), (BLOCK_N, 4 * BW))
-    odd = tl.reshape(tl.join(a15, a37), (BLOCK_N, 4 * BW))
-    return tl.reshape(tl.join(even, odd), (BLOCK_N, 8 * BW))
+
+@triton.jit
+def _join8(n0, n1, n2, n3, n4, n5, n6, n7, BLOCK_N: tl.constexpr, BW: tl.constexpr):
+    la = tl.reshape(tl.join(n0, n2), (BLOCK_N, 2 * BW))
+    lb = tl.reshape(tl.join(n1, n3), (BLOCK_N, 2 * BW))
+    lc = tl.reshape(tl.join(n4, n6), (BLOCK_N, 2 * BW))
+    ld = tl.reshape(tl.join(n5, n7), (BLOCK_N, 2 * BW))
+    m0 = tl.reshape(tl.join(la, lb), (BLOCK_N, 4 * BW))
+    m1 = tl.reshape(tl.join(lc, ld), (BLOCK_N, 4 * BW))
+    return tl.reshape(tl.join(m0, m1), (BLOCK_N, 8 * BW))
 
 
 @triton.jit
@@ -297,7 +300,7 @@ def _load_act_t(x_rows_ptr, m_mask, kw0, K, BLOCK_K: tl.constexpr):
 
     x_rows_ptr [1, BLOCK_M] pointers to activation rows, m_mask [1, BLOCK_M].
     """
-    kk = 8 * kw0 + tl.arange(0, BLOCK_K)
+    kk = 8 * kw0 + _kperm(tl.arange(0, BLOCK_K))
     xt = tl.load(x_rows_ptr + kk[:, None], mask=(kk[:, None] < K) & m_mask, other=0.0)
     return xt.to(tl.bfloat16)
 

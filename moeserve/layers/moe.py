@@ -15,6 +15,7 @@ holds only the stored format.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,9 @@ from moeserve.config import ModelConfig
 from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from moeserve.layers.quant.base import QuantConfig, make_param
-from moeserve.layers.quant.fp8_block import WeightScheme
+from moeserve.layers.quant.fp8_block import WeightScheme, gpu_kernels_enabled
+
+log = logging.getLogger(__name__)
 
 # group score of noaux_tc routing = sum of the best this many biased scores in the group
 _NOAUX_GROUP_TOP = 2
@@ -191,9 +194,50 @@ class RoutedExperts(nn.Module):
         self.gate_proj = ExpertBank(scheme, num_experts, intermediate, hidden, "out", tp, dtype)
         self.up_proj = ExpertBank(scheme, num_experts, intermediate, hidden, "out", tp, dtype)
         self.down_proj = ExpertBank(scheme, num_experts, hidden, intermediate, "in", tp, dtype)
+        self._fused: tuple[torch.Tensor, ...] | None = None
+
+    def _fused_nvfp4(self) -> tuple[torch.Tensor, ...] | None:
+        """Stacked [E, 2I, ...] gate+up and [E, H, ...] down in the fused kernel's layout,
+        built once on first GPU use; None when the experts are not NVFP4."""
+        if self._fused is None:
+            views = []
+            for bank in (self.gate_proj, self.up_proj, self.down_proj):
+                view = bank.scheme.nvfp4_view(
+                    {s.suffix: getattr(bank, s.suffix) for s in bank.specs}
+                )
+                if view is None:
+                    self._fused = ()
+                    return None
+                views.append(view)
+            (pg, sg, gg), (pu, su, gu), (pd, sd, gd) = views
+            gs13 = torch.maximum(gg.reshape(-1), gu.reshape(-1)).float()
+            if not (torch.equal(gg.reshape(-1), gs13) and torch.equal(gu.reshape(-1), gs13)):
+                # one global per expert for gate+up: fold the ratio into the block scales
+                log.info("MoE: gate/up global scales differ; block scales rescaled to one global")
+                sg = (sg.float() * (gg.reshape(-1) / gs13)[:, None, None]).to(sg.dtype)
+                su = (su.float() * (gu.reshape(-1) / gs13)[:, None, None]).to(su.dtype)
+            self._fused = (
+                torch.cat([pg, pu], 1).contiguous(),
+                torch.cat([sg, su], 1).contiguous(),
+                gs13,
+                pd.contiguous(),
+                sd.contiguous(),
+                gd.reshape(-1).float().contiguous(),
+            )
+        return self._fused or None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> sum_k w * expert(x) [T, H] (this rank's partial)."""
+        if x.is_cuda and gpu_kernels_enabled(x.device) and self._fused_nvfp4() is not None:
+            from moeserve.kernels.moe import fused_moe_nvfp4
+
+            y = fused_moe_nvfp4(
+                x.to(torch.bfloat16).contiguous(),
+                ids.to(torch.int32).contiguous(),
+                weights.float().contiguous(),
+                *self._fused,
+            )
+            return y.to(x.dtype)
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             tok, slot = torch.where(ids == e)

@@ -10,6 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (tr
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import moeserve.kernels.kv_cache as kv_cache_mod  # noqa: E402
 
@@ -40,7 +41,7 @@ def _interpreter_fp8_rounding_shim() -> None:
 
 
 _interpreter_fp8_rounding_shim()
-if not hasattr(kv_cache_mod._write_mla_cache_kernel, "interpreter_builder"):
+if not isinstance(kv_cache_mod._write_mla_cache_kernel, InterpretedFunction):
     kv_cache_mod = importlib.reload(kv_cache_mod)
 
 FP8 = torch.float8_e4m3fn

@@ -15,6 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (tr
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import moeserve.kernels.mla_decode as mla_decode_mod  # noqa: E402
 
@@ -70,7 +71,7 @@ def _interpreter_shims() -> None:
 
 
 _interpreter_shims()
-if not hasattr(mla_decode_mod._mla_decode_split_kernel, "interpreter_builder"):
+if not isinstance(mla_decode_mod._mla_decode_split_kernel, InterpretedFunction):
     # Imported earlier without TRITON_INTERPRET (e.g. by another test): rebuild as interpreted.
     mla_decode_mod = importlib.reload(mla_decode_mod)
 

@@ -15,6 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (tr
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import moeserve.kernels.mla_prefill as mla_prefill_mod  # noqa: E402
 
@@ -54,7 +55,7 @@ def _interpreter_shims() -> None:
 
 
 _interpreter_shims()
-if not hasattr(mla_prefill_mod._mla_prefill_kernel, "interpreter_builder"):
+if not isinstance(mla_prefill_mod._mla_prefill_kernel, InterpretedFunction):
     mla_prefill_mod = importlib.reload(mla_prefill_mod)
 
 LATENT = 576

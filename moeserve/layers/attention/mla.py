@@ -25,7 +25,7 @@ from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.quant.base import QuantConfig, make_param
-from moeserve.layers.quant.fp8_block import dense_weight
+from moeserve.layers.quant.fp8_block import dense_weight, gpu_kernels_enabled
 from moeserve.layers.rotary import RotaryEmbedding, yarn_mscale
 
 FP8_E4M3_MAX = 448.0
@@ -120,7 +120,30 @@ class MLAAttention(nn.Module):
         self._kv_scale_loaded = True
 
     # ---- cache I/O ---------------------------------------------------------------------------
+    def _kernels(self, t: torch.Tensor) -> bool:
+        """The Triton MLA kernels serve CUDA tensors of the published 512 + 64 layout."""
+        from moeserve.kernels.mla_decode import KV_LORA_RANK, ROPE_DIM
+
+        return (
+            t.is_cuda
+            and self.kv_lora == KV_LORA_RANK
+            and self.rope == ROPE_DIM
+            and gpu_kernels_enabled(t.device)
+        )
+
     def _write(self, c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor) -> None:
+        if self._kernels(c):
+            from moeserve.kernels.kv_cache import write_mla_cache
+
+            fp8 = self.kv_cache.dtype == torch.float8_e4m3fn
+            write_mla_cache(
+                c.contiguous(),
+                k_pe.to(c.dtype).contiguous(),
+                self.kv_cache,
+                slots,
+                self.kv_scale if fp8 else None,
+            )
+            return
         keep = slots >= 0  # negative slot: padding token, not stored
         rows = torch.cat([c, k_pe], dim=-1)[keep].float()
         if self.kv_cache.dtype == torch.float8_e4m3fn:
@@ -200,6 +223,21 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [h, nope, L], [h, v, L]
         q_lat = torch.einsum("bhd,hdl->bhl", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe], dim=-1)  # [B, h, L + R]
+        if self._kernels(q):
+            from moeserve.kernels.mla_decode import mla_decode
+
+            o_lat = q.new_empty(q.shape[0], self.num_heads, self.kv_lora)
+            fp8 = self.kv_cache.dtype == torch.float8_e4m3fn
+            mla_decode(
+                q.contiguous(),
+                self.kv_cache,
+                md.block_tables,
+                md.seq_lens,
+                self.scale,
+                o_lat,
+                kv_scale=self.kv_scale if fp8 else None,
+            )
+            return torch.einsum("bhl,hvl->bhv", o_lat, w_uv)
         length, ps = md.max_seq_len, md.page_size
         pages = md.block_tables[:, : -(-length // ps)].long()
         rows = self._dequant(self.kv_cache[pages].flatten(1, 2)[:, :length], dtype)  # [B, n, L+R]

@@ -10,6 +10,7 @@ serves a linear layer (`SchemeLinearMethod`) and a bank of stacked experts
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -58,6 +59,13 @@ class WeightScheme:
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return t["weight"].to(dtype)
 
+    def nvfp4_view(
+        self, t: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(packed codes, e4m3 block scales, multiplied global scale) in ModelOpt's
+        convention, for the GPU NVFP4 kernels; None if this is not an NVFP4 scheme."""
+        return None
+
 
 class SchemeLinearMethod(LinearMethod):
     """A `LinearMethod` built from a `WeightScheme` (CPU path: dequantize, then matmul)."""
@@ -81,7 +89,23 @@ class SchemeLinearMethod(LinearMethod):
         return self.scheme.dequantize({s: getattr(layer, s) for s in layer.scheme_suffixes}, dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and gpu_kernels_enabled(x.device):
+            view = self.scheme.nvfp4_view({s: getattr(layer, s) for s in layer.scheme_suffixes})
+            if view is not None:  # W4A16 GEMM: dequantized in registers, bf16 tensor cores
+                from moeserve.kernels.nvfp4_gemm import nvfp4_gemm
+
+                x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+                y = nvfp4_gemm(x2, *view)
+                return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.dense_weight(layer, x.dtype))
+
+
+@functools.cache
+def gpu_kernels_enabled(device: torch.device) -> bool:
+    """Whether the Triton kernels serve this device (kernel choice by compute capability)."""
+    from moeserve.kernels.select import select_kernel
+
+    return select_kernel(device) != "torch"
 
 
 def dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:

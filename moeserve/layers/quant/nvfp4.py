@@ -65,6 +65,9 @@ class ModelOptNvfp4Scheme(WeightScheme):
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return dequantize_nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"], dtype)
 
+    def nvfp4_view(self, t: dict[str, torch.Tensor]):
+        return t["weight"], t["weight_scale"], t["weight_scale_2"]
+
 
 class CompressedTensorsNvfp4Scheme(WeightScheme):
     name = "nvfp4-ct"
@@ -99,6 +102,10 @@ class CompressedTensorsNvfp4Scheme(WeightScheme):
         # published rule: divide by the (reciprocal) global scale
         w = dequantize_nvfp4(t["weight_packed"], t["weight_scale"], 1.0, torch.float32)
         return (w / t["weight_global_scale"].float().reshape(())).to(dtype)
+
+    def nvfp4_view(self, t: dict[str, torch.Tensor]):
+        g = t["weight_global_scale"].float()
+        return t["weight_packed"], t["weight_scale"], (1.0 / g).reshape(g.shape[:-1])
 
 
 # ---- exclusion rules ----------------------------------------------------------------------
