@@ -163,7 +163,8 @@ class Sampler:
             if p.greedy:
                 out.append(int(row.argmax()))
                 continue
-            probs = truncated_probs(row / p.temperature, p.top_k, p.top_p, p.min_p)
+            # drawn on the CPU: per-request seeded generators live there
+            probs = truncated_probs(row.cpu() / p.temperature, p.top_k, p.top_p, p.min_p)
             g = self._generator(request_ids[i], p.seed)
             out.append(int(torch.multinomial(probs, 1, generator=g)))
         return out
@@ -175,14 +176,16 @@ def apply_penalties(
     """In place on one row of logits. Repetition penalty covers prompt and output tokens
     (HF / vLLM convention); presence and frequency penalties cover output tokens only."""
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=row.device)
         if len(seen):
             vals = row[seen]
             row[seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
             )
     if output and (p.presence_penalty or p.frequency_penalty):
-        ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
+        ids, counts = torch.tensor(output, dtype=torch.long, device=row.device).unique(
+            return_counts=True
+        )
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
 
 

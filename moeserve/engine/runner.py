@@ -138,7 +138,7 @@ class ModelRunner:
             if last > start:
                 h = hidden[qstart[i] : qstart[i] + (last - start)]
                 logp = torch.log_softmax(self.model.compute_logits(h), dim=-1)
-                targets = torch.tensor(req.prompt_ids[start + 1 : last + 1])
+                targets = torch.tensor(req.prompt_ids[start + 1 : last + 1], device=logp.device)
                 chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
                 if k:
                     tv, ti = logp.topk(k, dim=-1)
