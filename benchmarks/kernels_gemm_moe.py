@@ -587,6 +587,9 @@ def main() -> int:
         )
         alt = nv.DECODE_BITS if decode == nv.DECODE_ASM and ok.get(nv.DECODE_BITS) else None
     meta["decode"] = decode
+    if dev == "cuda":  # what the library's start-up probe picks (bit-exact one-hot check)
+        meta["probe_decode"] = nv.probe_decode(torch.device(dev))
+        log(f"probe_decode picks: {meta['probe_decode']}")
     log(f"decode mode used: {decode}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

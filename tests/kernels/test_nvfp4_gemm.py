@@ -206,3 +206,17 @@ def test_select_kernel(caplog):
     with caplog.at_level(logging.INFO, logger="moeserve.kernels.select"):
         assert select_kernel("cuda", capability=(10, 0)) == "triton_w4a16"
     assert sum("blackwell_fp4" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("decode", [nv.DECODE_ARITH, nv.DECODE_BITS])
+def test_probe_case_is_exact(decode):
+    # The GPU start-up probe demands bit-exact equality on this case; it must hold for the
+    # decodes that run here, and the case must exercise every code and word position.
+    x, packed, scale, gs = nv._probe_case(torch.device("cpu"))
+    cfg = dict(SMALL, BLOCK_N=64, BLOCK_K=128)
+    ref = nv.nvfp4_gemm_ref(x, packed, scale, gs)
+    assert torch.equal(nv.nvfp4_gemm(x, packed, scale, gs, config=cfg, decode=decode), ref)
+    cols = x.float().argmax(1)
+    assert set((cols % 8).tolist()) == set(range(8))
+    assert set(nv.unpack_e2m1_codes(packed)[:, cols].flatten().tolist()) == set(range(16))
+    assert nv.default_decode(torch.device("cpu")) == nv.DECODE_ARITH
