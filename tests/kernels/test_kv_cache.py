@@ -10,6 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (tr
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import moeserve.kernels.kv_cache as kv_cache_mod  # noqa: E402
@@ -43,6 +44,21 @@ def _interpreter_fp8_rounding_shim() -> None:
 _interpreter_fp8_rounding_shim()
 if not isinstance(kv_cache_mod._write_mla_cache_kernel, InterpretedFunction):
     kv_cache_mod = importlib.reload(kv_cache_mod)
+
+# Triton's own jit helpers (tl.cdiv, tl.max, ...) are built when triton is first imported;
+# if that happened before TRITON_INTERPRET=1 was set (another test imported it first),
+# interpreted kernels cannot call them. Say so instead of failing obscurely.
+_TRITON_INTERPRETED = isinstance(triton.language.cdiv, InterpretedFunction)
+
+
+@pytest.fixture(autouse=True)
+def _require_interpreted_triton():
+    if not _TRITON_INTERPRETED:
+        pytest.fail(
+            "triton was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py"
+            " (os.environ.setdefault('TRITON_INTERPRET', '1')) or in the environment"
+        )
+
 
 FP8 = torch.float8_e4m3fn
 

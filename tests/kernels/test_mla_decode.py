@@ -15,6 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (tr
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import moeserve.kernels.mla_decode as mla_decode_mod  # noqa: E402
@@ -74,6 +75,21 @@ _interpreter_shims()
 if not isinstance(mla_decode_mod._mla_decode_split_kernel, InterpretedFunction):
     # Imported earlier without TRITON_INTERPRET (e.g. by another test): rebuild as interpreted.
     mla_decode_mod = importlib.reload(mla_decode_mod)
+
+# Triton's own jit helpers (tl.cdiv, tl.max, ...) are built when triton is first imported;
+# if that happened before TRITON_INTERPRET=1 was set (another test imported it first),
+# interpreted kernels cannot call them. Say so instead of failing obscurely.
+_TRITON_INTERPRETED = isinstance(triton.language.cdiv, InterpretedFunction)
+
+
+@pytest.fixture(autouse=True)
+def _require_interpreted_triton():
+    if not _TRITON_INTERPRETED:
+        pytest.fail(
+            "triton was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py"
+            " (os.environ.setdefault('TRITON_INTERPRET', '1')) or in the environment"
+        )
+
 
 LATENT = mla_decode_mod.LATENT_DIM
 FP8 = torch.float8_e4m3fn

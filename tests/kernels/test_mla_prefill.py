@@ -15,6 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (tr
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import moeserve.kernels.mla_prefill as mla_prefill_mod  # noqa: E402
@@ -57,6 +58,21 @@ def _interpreter_shims() -> None:
 _interpreter_shims()
 if not isinstance(mla_prefill_mod._mla_prefill_kernel, InterpretedFunction):
     mla_prefill_mod = importlib.reload(mla_prefill_mod)
+
+# Triton's own jit helpers (tl.cdiv, tl.max, ...) are built when triton is first imported;
+# if that happened before TRITON_INTERPRET=1 was set (another test imported it first),
+# interpreted kernels cannot call them. Say so instead of failing obscurely.
+_TRITON_INTERPRETED = isinstance(triton.language.cdiv, InterpretedFunction)
+
+
+@pytest.fixture(autouse=True)
+def _require_interpreted_triton():
+    if not _TRITON_INTERPRETED:
+        pytest.fail(
+            "triton was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py"
+            " (os.environ.setdefault('TRITON_INTERPRET', '1')) or in the environment"
+        )
+
 
 LATENT = 576
 FP8 = torch.float8_e4m3fn
