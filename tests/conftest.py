@@ -2,6 +2,10 @@
 
 import os
 
-# Triton kernels run on the CPU through the interpreter in tests; the variable is read when
-# triton is first imported, so it must be set before any module imports it.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Without a GPU, Triton kernels run through the interpreter; the variable is read when triton
+# is first imported, so it is set here, before any test module imports it. On a GPU machine
+# the compiled kernels run (tests/gpu).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
