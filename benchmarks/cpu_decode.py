@@ -35,8 +35,9 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def _chat_ids(tok, text: str) -> list[int]:
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]),
-                      add_special_tokens=False)
+    return tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False
+    )
 
 
 def bench_moeserve(label: str, n_tokens: int, repeats: int, **engine_kw) -> dict:
@@ -55,8 +56,11 @@ def bench_moeserve(label: str, n_tokens: int, repeats: int, **engine_kw) -> dict
         produced, t0 = 0, None
         while eng.has_unfinished():
             outs = eng.step()
-            if t0 is None and all(r.num_computed >= len(r.prompt_ids)
-                                  for r in eng.scheduler.running) and not eng.scheduler.waiting:
+            if (
+                t0 is None
+                and all(r.num_computed >= len(r.prompt_ids) for r in eng.scheduler.running)
+                and not eng.scheduler.waiting
+            ):
                 t0, produced = time.perf_counter(), 0
                 continue
             produced += sum(len(o.token_ids) for o in outs)
@@ -65,9 +69,15 @@ def bench_moeserve(label: str, n_tokens: int, repeats: int, **engine_kw) -> dict
     decode_rate(ids[:1])  # warm-up
     single = [decode_rate(ids[:1]) for _ in range(repeats)]
     conc8 = [decode_rate(ids) for _ in range(repeats)]
-    return {"system": "moeserve", "config": label, "engine_kwargs": engine_kw,
-            "single_stream_tok_s": statistics.median(single), "single_runs": single,
-            "concurrency8_tok_s": statistics.median(conc8), "conc8_runs": conc8}
+    return {
+        "system": "moeserve",
+        "config": label,
+        "engine_kwargs": engine_kw,
+        "single_stream_tok_s": statistics.median(single),
+        "single_runs": single,
+        "concurrency8_tok_s": statistics.median(conc8),
+        "conc8_runs": conc8,
+    }
 
 
 def bench_hf(dtype: torch.dtype, n_tokens: int, repeats: int) -> dict:
@@ -78,8 +88,9 @@ def bench_hf(dtype: torch.dtype, n_tokens: int, repeats: int) -> dict:
     from moeserve.tokenizer.gguf_vocab import build_gguf_tokenizer
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
-                                                 gguf_file=os.path.basename(path), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype
+    )
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 2
     import gguf
@@ -105,21 +116,42 @@ def bench_hf(dtype: torch.dtype, n_tokens: int, repeats: int) -> dict:
     rate(ids[:1])
     single = [rate(ids[:1]) for _ in range(repeats)]
     conc8 = [rate(ids) for _ in range(repeats)]
-    return {"system": "hf-transformers", "config": str(dtype)[6:],
-            "single_stream_tok_s": statistics.median(single), "single_runs": single,
-            "concurrency8_tok_s": statistics.median(conc8), "conc8_runs": conc8}
+    return {
+        "system": "hf-transformers",
+        "config": str(dtype)[6:],
+        "single_stream_tok_s": statistics.median(single),
+        "single_runs": single,
+        "concurrency8_tok_s": statistics.median(conc8),
+        "conc8_runs": conc8,
+    }
 
 
 def _env() -> dict:
     import transformers
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "uncommitted"
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                if ln.startswith("model name")), platform.processor())
-    return {"commit": commit, "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    commit = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        or "uncommitted"
+    )
+    cpu = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in open("/proc/cpuinfo")
+            if ln.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "commit": commit,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def main() -> None:
@@ -142,9 +174,14 @@ def main() -> None:
             print("hf", dt, rows[-1]["single_stream_tok_s"], rows[-1]["concurrency8_tok_s"])
     env = _env()
     hf32 = next((r["single_stream_tok_s"] for r in rows if r["config"] == "float32"), None)
-    out = {"benchmark": "cpu_decode", "model": "SmolLM2-135M-Instruct Q4_1 GGUF",
-           "tokens": args.tokens, "env": env, "rows": rows,
-           "target": "single-stream >= 3x HF transformers (fp32) on the same GGUF"}
+    out = {
+        "benchmark": "cpu_decode",
+        "model": "SmolLM2-135M-Instruct Q4_1 GGUF",
+        "tokens": args.tokens,
+        "env": env,
+        "rows": rows,
+        "target": "single-stream >= 3x HF transformers (fp32) on the same GGUF",
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "cpu_decode.json").write_text(json.dumps(out, indent=2))
     lines = [
@@ -160,8 +197,10 @@ def main() -> None:
     ]
     for r in rows:
         ratio = f"{r['single_stream_tok_s'] / hf32:.2f}" if hf32 else "-"
-        lines.append(f"| {r['system']} | {r['config']} | {r['single_stream_tok_s']:.1f} | "
-                     f"{ratio} | {r['concurrency8_tok_s']:.1f} |")
+        lines.append(
+            f"| {r['system']} | {r['config']} | {r['single_stream_tok_s']:.1f} | "
+            f"{ratio} | {r['concurrency8_tok_s']:.1f} |"
+        )
     (RESULTS / "cpu_decode.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

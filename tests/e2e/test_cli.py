@@ -76,7 +76,10 @@ def test_serve_tiny_kimi_nvfp4_checkpoint(cli_server, tmp_path):
 def test_chat_streams_an_answer():
     r = subprocess.run(
         [sys.executable, "-m", "moeserve.cli", "chat", "--temperature", "0", "--max-tokens", "24"],
-        input="What is the capital of France?\n\n", capture_output=True, text=True, timeout=180,
+        input="What is the capital of France?\n\n",
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
