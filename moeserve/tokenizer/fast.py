@@ -37,14 +37,15 @@ class FastTokenizerWrapper:
         return None if token_id is None else self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # tokenizer.json post-processors may add specials themselves; GGUF ones have none
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id) or ""

@@ -15,7 +15,7 @@ from typing import Any
 from tokenizers import Tokenizer as RawTokenizer
 
 from moeserve.loader.base import LoadError
-from moeserve.tokenizer.chat_template import render_chat_template
+from moeserve.tokenizer.fast import FastTokenizerWrapper
 
 
 def _token_str(value: Any) -> str | None:
@@ -37,62 +37,29 @@ def _pick_template(value: Any, folder: str) -> str | None:
     return None
 
 
-class HFTokenizer:
-    """Implements `moeserve.tokenizer.base.Tokenizer` over a `tokenizers.Tokenizer`."""
+def hf_tokenizer(folder: str) -> FastTokenizerWrapper:
+    """`tokenizer.json` + tokenizer_config.json (special tokens, BOS rule, chat template)."""
+    tok = RawTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    cfg: dict[str, Any] = {}
+    cfg_path = os.path.join(folder, "tokenizer_config.json")
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            cfg = json.load(f)
 
-    def __init__(self, folder: str) -> None:
-        self._tok = RawTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-        cfg: dict[str, Any] = {}
-        cfg_path = os.path.join(folder, "tokenizer_config.json")
-        if os.path.exists(cfg_path):
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-        self.bos_token = _token_str(cfg.get("bos_token"))
-        self.eos_token = _token_str(cfg.get("eos_token"))
-        self.pad_token = _token_str(cfg.get("pad_token"))
-        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.add_bos_token = bool(cfg.get("add_bos_token", False))
-        self.chat_template = _pick_template(cfg.get("chat_template"), folder)
-        added = self._tok.get_added_tokens_decoder()
-        self.all_special_ids = {i for i, t in added.items() if t.special}
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    def token_id(key: str) -> int | None:
+        name = _token_str(cfg.get(key))
+        return tok.token_to_id(name) if name else None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if (
-            add_special_tokens
-            and self.add_bos_token
-            and self.bos_token_id is not None
-            and (not ids or ids[0] != self.bos_token_id)
-        ):
-            ids = [self.bos_token_id, *ids]
-        return ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def id_to_token(self, token_id: int) -> str:
-        return self._tok.id_to_token(token_id) or ""
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        **kwargs: Any,
-    ) -> str:
-        if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template")
-        return render_chat_template(
-            self.chat_template,
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            **kwargs,
-        )
+    added = tok.get_added_tokens_decoder()
+    return FastTokenizerWrapper(
+        tok,
+        bos_token_id=token_id("bos_token"),
+        eos_token_id=token_id("eos_token"),
+        pad_token_id=token_id("pad_token"),
+        add_bos_token=bool(cfg.get("add_bos_token", False)),
+        chat_template=_pick_template(cfg.get("chat_template"), folder),
+        special_ids={i for i, t in added.items() if t.special},
+    )
 
 
 def load_hf_tokenizer(folder: str):
@@ -102,5 +69,5 @@ def load_hf_tokenizer(folder: str):
 
         return KimiTokenizer(folder)
     if os.path.exists(os.path.join(folder, "tokenizer.json")):
-        return HFTokenizer(folder)
+        return hf_tokenizer(folder)
     raise LoadError(f"{folder} has no tokenizer (tokenizer.json or tiktoken.model)")

@@ -35,7 +35,7 @@ def model_weight(model, name: str) -> torch.Tensor:
     mod = model
     for p in parts[:-1]:
         mod = mod[int(p)] if p.isdigit() else getattr(mod, p)
-    if parts[-1] == "weight" and hasattr(mod, "method"):
+    if parts[-1] == "weight" and getattr(mod, "method", None) is not None:
         return dense_weight(mod, torch.float32)
     return getattr(mod, parts[-1]).float()
 
