@@ -162,8 +162,9 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     configs = {
-        "fp32": dict(dtype="float32"),
+        "fp32": dict(dtype="float32", quantization="none"),
         "bf16+int8": dict(dtype="bfloat16", quantization="int8"),
+        "bf16+int4 (default)": dict(dtype="auto", quantization="auto"),
     }
     for label, kw in configs.items():
         rows.append(bench_moeserve(label, args.tokens, args.repeats, **kw))

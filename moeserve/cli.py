@@ -59,13 +59,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="activation/weight dtype (auto: bfloat16 on GPU, float32 on CPU)",
+        help="activation dtype (auto: bfloat16 on GPUs and on CPUs with bf16 instructions, "
+        "else float32)",
     )
     p.add_argument(
         "--quantization",
-        default="none",
-        choices=["none", "int8"],
-        help="extra weight-only quantization applied at load on the CPU path",
+        default="auto",
+        choices=["auto", "none", "int4", "int8"],
+        help="CPU weight-only kernels for GGUF models (auto: int4 for 4-bit files, int8 "
+        "otherwise, when activations are bf16)",
     )
     p.add_argument(
         "--kv-cache-dtype",

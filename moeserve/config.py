@@ -239,10 +239,23 @@ def _parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def parse_dtype(name: str, model_dtype: torch.dtype, device: str) -> torch.dtype:
-    """Resolve `--dtype auto|bf16|fp16|fp32` for a device (auto: bf16 on GPU, fp32 on CPU)."""
+    """Resolve `--dtype auto|bf16|fp16|fp32` for a device (auto: bf16 on GPUs, and on CPUs
+    with bf16 instructions (AVX512-BF16 or AMX), where torch's weight-only kernels are fast;
+    fp32 on other CPUs)."""
     if name == "auto":
-        return torch.bfloat16 if device != "cpu" else torch.float32
+        if device != "cpu" or cpu_has_bf16():
+            return torch.bfloat16
+        return torch.float32
     return _parse_dtype(name)
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @dataclass(frozen=True)

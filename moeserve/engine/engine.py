@@ -250,7 +250,7 @@ def build_engine(
     num_pages: int | None = None,
     enable_prefix_caching: bool = True,
     kv_cache_dtype: str = "auto",
-    quantization: str = "none",
+    quantization: str = "auto",
     num_layers: int | None = None,
     load_format: str = "auto",
     seed: int = 0,

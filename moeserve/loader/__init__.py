@@ -46,7 +46,7 @@ def load_model(
     dtype: torch.dtype,
     device: str = "cpu",
     *,
-    quantize: str = "none",
+    quantize: str = "auto",
     kv_cache_dtype: str = "auto",
     num_layers: int | None = None,
     load_format: str = "auto",

@@ -96,7 +96,7 @@ def iter_llama_weights(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, tor
 
 
 def load_gguf_model(
-    path: str, dtype: torch.dtype, device: str = "cpu", quantize: str = "none"
+    path: str, dtype: torch.dtype, device: str = "cpu", quantize: str = "auto"
 ) -> LoadedModel:
     from gguf import GGUFReader
 
@@ -120,13 +120,28 @@ def load_gguf_model(
     cfg = ModelConfig.from_gguf_llama(arch_meta)
     tokenizer = build_gguf_tokenizer(meta)
     cfg = _with_special_ids(cfg, tokenizer)
-    quant = cpu_quant_config(quantize)
+    quant = cpu_quant_config(_resolve_quantization(quantize, reader, dtype, device))
     model = model_class(cfg.architecture)(cfg, quant=quant, dtype=dtype)
     model.load_weights(iter_llama_weights(reader, cfg))
     model.to(device)
     kinds = sorted({t.tensor_type.name for t in reader.tensors})
     desc = f"GGUF {meta.get('general.name', '')} ({'/'.join(kinds)}), weights {quant.name}"
     return LoadedModel(model, tokenizer, cfg, dtype, desc)
+
+
+_Q4 = {"Q4_0", "Q4_1", "Q4_K"}
+
+
+def _resolve_quantization(name: str, reader: Any, dtype: torch.dtype, device: str) -> str:
+    """`auto`: on a CPU with bf16 activations, keep a 4-bit file in 4 bits (int4, groups of
+    32) and anything else in int8; fp32 activations or a GPU: plain weights."""
+    if name != "auto":
+        return name
+    if device != "cpu" or dtype != torch.bfloat16:
+        return "none"
+    kinds = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.")]
+    quantized_4bit = sum(k in _Q4 for k in kinds) * 2 > len(kinds)
+    return "int4" if quantized_4bit else "int8"
 
 
 def _with_special_ids(cfg: ModelConfig, tok: Any) -> ModelConfig:

@@ -1,26 +1,50 @@
 """Weight-only quantization applied at load for the CPU path (`--quantization`).
 
-Checkpoint weights arrive as floats (GGUF tensors are dequantized by `gguf`); these methods
-repack them after loading into the formats of torch's CPU weight-only matmul ops.
+Checkpoint weights arrive as floats (GGUF tensors are dequantized by `gguf`) into an fp32
+staging parameter; after loading, these methods repack them for torch's CPU weight-only
+matmul ops, which are fast with bf16 activations:
+- int4: groups of 32 along K, asymmetric (scale and zero per group). This is exactly GGUF's
+  Q4_1 (w = d*q + m; llama.cpp puts each group's min and max on codes 0 and 15), so a Q4_1
+  file is served with its own 4-bit weights.
+- int8: per output channel, symmetric.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
 from moeserve.config import ConfigError
-from moeserve.layers.quant.base import LinearMethod, NoQuant, QuantConfig, UnquantizedLinearMethod
+from moeserve.layers.quant.base import LinearMethod, NoQuant, QuantConfig, make_param
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP = 32
+INT4_MAX = 15
+INT4_MID = 8  # torch's int4 kernels dequantize (q - 8) * scale + zero
+INT8_MAX = 127.0
 
 
-class Int8WeightOnlyMethod(UnquantizedLinearMethod):
-    """Per-output-channel symmetric int8 weights, activations in the model dtype."""
+class _StagedMethod(LinearMethod):
+    """Loads into an fp32 weight (no rounding before repacking), applies in `act_dtype`."""
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
+    ) -> None:
+        layer.weight = make_param(torch.empty(output_size, input_size, dtype=torch.float32))
+        layer.act_dtype = dtype
+
+
+class Int8WeightOnlyMethod(_StagedMethod):
+    """Per-output-channel symmetric int8 weights."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight.data.float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        dtype = layer.weight.dtype
+        scale = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=1e-12)
+        q = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        dtype = getattr(layer, "act_dtype", layer.weight.dtype)
         del layer.weight  # a tied embedding keeps its own reference for lookups
         layer.register_buffer("qweight", q)
         layer.register_buffer("scales", scale.to(dtype))
@@ -33,11 +57,52 @@ class Int8WeightOnlyMethod(UnquantizedLinearMethod):
         return y.reshape(*shape[:-1], -1)
 
 
-class CpuInt8Config(QuantConfig):
-    name = "int8-weight-only"
+class Int4WeightOnlyMethod(_StagedMethod):
+    """Asymmetric int4 in groups of 32 along K (GGUF Q4_1's own format)."""
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
+    ) -> None:
+        if input_size % INT4_GROUP:
+            raise ConfigError(
+                f"int4 needs input sizes divisible by {INT4_GROUP} (got {input_size}); "
+                "use --quantization int8"
+            )
+        super().create_weights(layer, input_size, output_size, dtype)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.data.float()
+        n, k = w.shape
+        g = w.view(n, k // INT4_GROUP, INT4_GROUP)
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        scale = ((hi - lo) / INT4_MAX).clamp(min=1e-12)
+        q = torch.round((g - lo) / scale).clamp(0, INT4_MAX).to(torch.int32).view(n, k)
+        zero = lo + INT4_MID * scale
+        sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1)
+        del layer.weight
+        layer.register_buffer(
+            "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_MID)
+        )
+        layer.register_buffer("scales_zeros", sz.contiguous().to(layer.act_dtype))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]), layer.qweight, INT4_GROUP, layer.scales_zeros
+        )
+        return y.reshape(*shape[:-1], -1)
+
+
+class CpuWeightOnlyConfig(QuantConfig):
+    """Linear layers in `bits` (4 or 8); the LM head in int8 (tied embeddings are Q8 in GGUF
+    files, and int4 would lose more there)."""
+
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
+        self.name = f"int{bits}-weight-only"
 
     def linear_method(self, prefix: str) -> LinearMethod:
-        return Int8WeightOnlyMethod()
+        return Int4WeightOnlyMethod() if self.bits == 4 else Int8WeightOnlyMethod()
 
     def lm_head_method(self) -> LinearMethod | None:
         return Int8WeightOnlyMethod()
@@ -46,6 +111,6 @@ class CpuInt8Config(QuantConfig):
 def cpu_quant_config(name: str) -> QuantConfig:
     if name in ("none", "", None):
         return NoQuant()
-    if name == "int8":
-        return CpuInt8Config()
-    raise ConfigError(f"unknown CPU quantization {name!r}; use none or int8")
+    if name in ("int4", "int8"):
+        return CpuWeightOnlyConfig(int(name[3:]))
+    raise ConfigError(f"unknown CPU quantization {name!r}; use auto, none, int4 or int8")
