@@ -126,7 +126,9 @@ def load_gguf_model(
     model.to(device)
     kinds = sorted({t.tensor_type.name for t in reader.tensors})
     desc = f"GGUF {meta.get('general.name', '')} ({'/'.join(kinds)}), weights {quant.name}"
-    return LoadedModel(model, tokenizer, cfg, dtype, desc)
+    # CPU: an fp32 cache (attention over it is faster in fp32 than bf16 on CPUs; small models)
+    kv_dtype = torch.float32 if device == "cpu" else dtype
+    return LoadedModel(model, tokenizer, cfg, kv_dtype, desc)
 
 
 _Q4 = {"Q4_0", "Q4_1", "Q4_K"}

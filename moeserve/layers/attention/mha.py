@@ -44,8 +44,10 @@ class PagedAttention(nn.Module):
         vf = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         kf.index_copy_(0, md.slot_mapping, k if k.dtype == kf.dtype else k.to(kf.dtype))
         vf.index_copy_(0, md.slot_mapping, v if v.dtype == vf.dtype else v.to(vf.dtype))
+        # attention runs in the cache dtype (fp32 on CPUs: torch's CPU SDPA is faster there)
+        act, q = q.dtype, q.to(kf.dtype)
         if md.is_decode_only:
-            return self._decode(q, md)
+            return self._decode(q, md).to(act)
         out = torch.empty_like(q)
         start = 0
         for b, (qlen, slen) in enumerate(zip(md.query_lens_host, md.seq_lens_host, strict=True)):
@@ -58,7 +60,7 @@ class PagedAttention(nn.Module):
             )
             out[start : start + qlen] = o.transpose(0, 1)
             start += qlen
-        return out
+        return out.to(act)
 
     def _gather(
         self, table: torch.Tensor, n: int, page_size: int
