@@ -19,43 +19,9 @@ import triton  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import moeserve.kernels.mla_prefill as mla_prefill_mod  # noqa: E402
+from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
 
-
-def _interpreter_shims() -> None:
-    """Work around two triton 3.6 interpreter gaps; the compiled GPU kernel is unaffected.
-
-    1. Scalars are 1-element arrays converted with ``int(array)``, which numpy >= 2.4
-       rejects, so ``range()`` bounds computed from program_id/loads fail.
-    2. ``tl.dot`` on bf16 operands multiplies their raw uint16 storage; widen to fp32
-       first (exact), which is what the tensor cores compute with.
-    """
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_moeserve_shims", False):
-        return
-    original_patch = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, scope):
-        original_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def widen(handle):
-        if handle.dtype.scalar != interpreter.tl.bfloat16:
-            return handle
-        bits = handle.data.astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), interpreter.tl.float32)
-
-    original_dot = interpreter.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    interpreter._patch_lang_tensor = patch_lang_tensor
-    interpreter.InterpreterBuilder.create_dot = create_dot
-    interpreter._moeserve_shims = True
-
-
-_interpreter_shims()
+install_interpreter_shims()
 if not isinstance(mla_prefill_mod._mla_prefill_kernel, InterpretedFunction):
     mla_prefill_mod = importlib.reload(mla_prefill_mod)
 
