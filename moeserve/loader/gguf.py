@@ -78,7 +78,8 @@ def dequantize(t: Any) -> torch.Tensor:
         arr = np.asarray(t.data, dtype=np.float32)
     else:
         arr = quants.dequantize(t.data, kind)
-    return torch.from_numpy(np.ascontiguousarray(arr.reshape(shape), dtype=np.float32))
+    # a writable copy: the reader maps the file read-only
+    return torch.from_numpy(np.array(arr.reshape(shape), dtype=np.float32))
 
 
 def iter_llama_weights(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -19,6 +19,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import moeserve.kernels.mla_decode as mla_decode_mod  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
+from tests.kernels.mla_cases import make_case  # noqa: E402
 
 install_interpreter_shims()
 if not isinstance(mla_decode_mod._mla_decode_split_kernel, InterpretedFunction):
@@ -42,42 +43,6 @@ def _require_interpreted_triton():
 
 LATENT = mla_decode_mod.LATENT_DIM
 FP8 = torch.float8_e4m3fn
-
-
-def _make_case(
-    seq_lens: list[int],
-    heads: int,
-    page_size: int,
-    dtype: torch.dtype,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
-    """Random q, a NaN-filled cache with each sequence on randomly permuted pages."""
-    gen = torch.Generator().manual_seed(seed)
-    batch = len(seq_lens)
-    pages_per_seq = [max(1, -(-n // page_size)) for n in seq_lens]
-    max_pages = max(pages_per_seq) + 1  # one spare column, filled with garbage ids
-    num_pages = sum(pages_per_seq) + 3  # some pages belong to nobody
-    perm = torch.randperm(num_pages, generator=gen)
-    block_tables = torch.full((batch, max_pages), 10_000, dtype=torch.int32)  # out of range
-    cache = torch.full((num_pages, page_size, LATENT), float("nan"))
-    used = 0
-    for b, n in enumerate(seq_lens):
-        ids = perm[used : used + pages_per_seq[b]]
-        used += pages_per_seq[b]
-        block_tables[b, : len(ids)] = ids.int()
-        rows = torch.randn(n, LATENT, generator=gen)
-        tok = torch.arange(n)
-        cache[ids[tok // page_size], tok % page_size] = rows
-    kv_scale = None
-    if dtype == FP8:
-        kv_scale = torch.tensor([0.05])
-        # Store values that dequantise to ~N(0,1): fp8 = x / scale (NaN stays NaN).
-        cache = (cache / kv_scale).clamp(-448, 448).to(FP8)
-    else:
-        cache = cache.to(dtype)
-    q = torch.randn(batch, heads, LATENT, generator=gen).to(torch.bfloat16)
-    seq = torch.tensor(seq_lens, dtype=torch.int32)
-    return q, cache, block_tables, seq, kv_scale
 
 
 def _run_both(q, cache, bt, seq, kv_scale, num_splits, config=None):
@@ -105,7 +70,7 @@ SMALL = mla_decode_mod.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_
     ],
 )
 def test_decode_matches_reference(dtype, page_size, seq_lens, num_splits):
-    q, cache, bt, seq, kv_scale = _make_case(seq_lens, 4, page_size, dtype, seed=page_size)
+    q, cache, bt, seq, kv_scale = make_case(seq_lens, 4, page_size, dtype, seed=page_size)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, num_splits, SMALL)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
@@ -113,7 +78,7 @@ def test_decode_matches_reference(dtype, page_size, seq_lens, num_splits):
 
 def test_more_splits_than_tiles_and_empty_sequence():
     # seq 0 -> zeros; 8 splits over 2 tiles leaves empty splits whose lse is -inf.
-    q, cache, bt, seq, kv_scale = _make_case([0, 20], 4, 16, torch.bfloat16, seed=7)
+    q, cache, bt, seq, kv_scale = make_case([0, 20], 4, 16, torch.bfloat16, seed=7)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, 8, SMALL)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
@@ -121,7 +86,7 @@ def test_more_splits_than_tiles_and_empty_sequence():
 
 def test_heads_not_multiple_of_block_and_default_splits():
     # 20 heads over BLOCK_H=16 -> a masked second head group; default split heuristic.
-    q, cache, bt, seq, kv_scale = _make_case([300, 17], 20, 64, torch.bfloat16, seed=3)
+    q, cache, bt, seq, kv_scale = make_case([300, 17], 20, 64, torch.bfloat16, seed=3)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, None, SMALL)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
@@ -130,7 +95,7 @@ def test_heads_not_multiple_of_block_and_default_splits():
 def test_many_splits_merge_in_chunks_with_stale_workspace(ws_dtype):
     # 40 splits > the merge chunk; 700 tokens = 44 tiles -> 22 busy splits, 18 empty ones
     # whose stale (NaN) workspace slots must not be read.
-    q, cache, bt, seq, kv_scale = _make_case([700, 5], 4, 16, torch.bfloat16, seed=5)
+    q, cache, bt, seq, kv_scale = make_case([700, 5], 4, 16, torch.bfloat16, seed=5)
     ws = mla_decode_mod.MLADecodeWorkspace.allocate(2, 4, 40, "cpu", ws_dtype)
     ws.partial_out.fill_(float("nan"))
     out = torch.empty(2, 4, 512, dtype=torch.bfloat16)
@@ -140,7 +105,7 @@ def test_many_splits_merge_in_chunks_with_stale_workspace(ws_dtype):
 
 
 def test_workspace_reuse_and_fp8_scale_matters():
-    q, cache, bt, seq, kv_scale = _make_case([40, 9], 4, 16, FP8, seed=11)
+    q, cache, bt, seq, kv_scale = make_case([40, 9], 4, 16, FP8, seed=11)
     ws = mla_decode_mod.MLADecodeWorkspace.allocate(4, 4, 4, "cpu")
     out = torch.empty(2, 4, 512, dtype=torch.bfloat16)
     mla_decode_mod.mla_decode(q, cache, bt, seq, 0.1, out, kv_scale, 3, ws, SMALL)
@@ -154,7 +119,7 @@ def test_workspace_reuse_and_fp8_scale_matters():
 
 
 def test_rejects_missing_fp8_scale():
-    q, cache, bt, seq, _ = _make_case([8], 4, 16, FP8, seed=1)
+    q, cache, bt, seq, _ = make_case([8], 4, 16, FP8, seed=1)
     out = torch.empty(1, 4, 512, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="kv_scale"):
         mla_decode_mod.mla_decode(q, cache, bt, seq, 0.1, out)
@@ -162,7 +127,7 @@ def test_rejects_missing_fp8_scale():
 
 def test_experimental_fp8_qk_variant_is_close():
     # q quantised per head to e4m3 for the FP8 tensor-core q @ k^T: looser tolerance.
-    q, cache, bt, seq, kv_scale = _make_case([70, 33], 4, 16, FP8, seed=21)
+    q, cache, bt, seq, kv_scale = make_case([70, 33], 4, 16, FP8, seed=21)
     cfg = mla_decode_mod.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, fp8_qk=True)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, 2, cfg)
     assert torch.isfinite(out).all()
@@ -175,7 +140,7 @@ def test_experimental_fp8_qk_variant_is_close():
 def test_value_split_variant(dtype, num_splits):
     # vsplit=2: two programs per tile, each accumulating 256 of the 512 value columns.
     cfg = mla_decode_mod.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, vsplit=2)
-    q, cache, bt, seq, kv_scale = _make_case([61, 8], 20, 16, dtype, seed=13)
+    q, cache, bt, seq, kv_scale = make_case([61, 8], 20, 16, dtype, seed=13)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, num_splits, cfg)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
@@ -183,7 +148,7 @@ def test_value_split_variant(dtype, num_splits):
 
 def test_value_split_with_fp8_qk():
     cfg = mla_decode_mod.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, fp8_qk=True, vsplit=2)
-    q, cache, bt, seq, kv_scale = _make_case([70, 33], 4, 16, FP8, seed=21)
+    q, cache, bt, seq, kv_scale = make_case([70, 33], 4, 16, FP8, seed=21)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, 2, cfg)
     err = (out - ref).abs()
     assert err.max() < 0.15 and err.mean() < 0.02, (err.max(), err.mean())
@@ -197,7 +162,7 @@ def test_register_prefetch_variant(vsplit, page_size, dtype):
     cfg = mla_decode_mod.MLADecodeConfig(
         block_h=16, block_n=16, num_warps=4, num_stages=1, vsplit=vsplit, prefetch=True
     )
-    q, cache, bt, seq, kv_scale = _make_case([50, 1, 16], 4, page_size, dtype, seed=17)
+    q, cache, bt, seq, kv_scale = make_case([50, 1, 16], 4, page_size, dtype, seed=17)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, 3, cfg)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)

@@ -20,6 +20,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import moeserve.kernels.mla_prefill as mla_prefill_mod  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
+from tests.kernels.mla_cases import make_case  # noqa: E402
 
 install_interpreter_shims()
 if not isinstance(mla_prefill_mod._mla_prefill_kernel, InterpretedFunction):
@@ -45,45 +46,9 @@ FP8 = torch.float8_e4m3fn
 SMALL = mla_prefill_mod.MLAPrefillConfig(block_m=4, block_h=4, block_n=16, num_warps=4)
 
 
-def _make_case(
-    seq_lens: list[int],
-    heads: int,
-    page_size: int,
-    dtype: torch.dtype,
-    seed: int,
-) -> tuple[torch.Tensor, ...]:
-    """Random q, a NaN-filled cache with each sequence on randomly permuted pages."""
-    gen = torch.Generator().manual_seed(seed)
-    batch = len(seq_lens)
-    pages_per_seq = [max(1, -(-n // page_size)) for n in seq_lens]
-    max_pages = max(pages_per_seq) + 1  # one spare column, filled with garbage ids
-    num_pages = sum(pages_per_seq) + 3  # some pages belong to nobody
-    perm = torch.randperm(num_pages, generator=gen)
-    block_tables = torch.full((batch, max_pages), 10_000, dtype=torch.int32)  # out of range
-    cache = torch.full((num_pages, page_size, LATENT), float("nan"))
-    used = 0
-    for b, n in enumerate(seq_lens):
-        ids = perm[used : used + pages_per_seq[b]]
-        used += pages_per_seq[b]
-        block_tables[b, : len(ids)] = ids.int()
-        rows = torch.randn(n, LATENT, generator=gen)
-        tok = torch.arange(n)
-        cache[ids[tok // page_size], tok % page_size] = rows
-    kv_scale = None
-    if dtype == FP8:
-        kv_scale = torch.tensor([0.05])
-        # Store values that dequantise to ~N(0,1): fp8 = x / scale (NaN stays NaN).
-        cache = (cache / kv_scale).clamp(-448, 448).to(FP8)
-    else:
-        cache = cache.to(dtype)
-    q = torch.randn(batch, heads, LATENT, generator=gen).to(torch.bfloat16)
-    seq = torch.tensor(seq_lens, dtype=torch.int32)
-    return q, cache, block_tables, seq, kv_scale
-
-
 def _run(prefix_lens, new_lens, heads, page_size, dtype, config=SMALL, seed=0):
     totals = [p + n for p, n in zip(prefix_lens, new_lens, strict=True)]
-    _, cache, bt, seq, kv_scale = _make_case(totals, heads, page_size, dtype, seed)
+    _, cache, bt, seq, kv_scale = make_case(totals, heads, page_size, dtype, seed)
     gen = torch.Generator().manual_seed(seed + 100)
     q = torch.randn(sum(new_lens), heads, LATENT, generator=gen).to(torch.bfloat16)
     cu = torch.tensor([0, *np.cumsum(new_lens).tolist()], dtype=torch.int32)
@@ -116,7 +81,7 @@ def test_prefill_is_causal():
     # First query (position 5) sees 6 keys only: compare against decode-style attention.
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     totals = [17]
-    q0, cache, bt, seq, _ = _make_case(totals, 4, 16, torch.bfloat16, seed=3)
+    q0, cache, bt, seq, _ = make_case(totals, 4, 16, torch.bfloat16, seed=3)
     del q0
     gen = torch.Generator().manual_seed(103)
     q = torch.randn(12, 4, LATENT, generator=gen).to(torch.bfloat16)
