@@ -26,7 +26,7 @@ from moeserve.config import ModelConfig
 from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from moeserve.layers.quant.base import QuantConfig, make_param
-from moeserve.layers.quant.fp8_block import WeightScheme, gpu_kernels_enabled
+from moeserve.layers.quant.scheme import WeightScheme, gpu_kernels_enabled
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch
 
 from moeserve.layers.moe import DeepseekMoE
 from moeserve.layers.quant.base import UnquantizedLinearMethod
-from moeserve.layers.quant.fp8_block import SchemeLinearMethod, dense_weight
+from moeserve.layers.quant.scheme import SchemeLinearMethod, dense_weight
 from moeserve.loader.checkpoint_writer import (
     FORMATS,
     LIKES,

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from moeserve.kernels.nvfp4_gemm import dequantize_nvfp4
 from moeserve.layers.quant.base import UnquantizedLinearMethod
-from moeserve.layers.quant.fp8_block import SchemeLinearMethod
+from moeserve.layers.quant.scheme import SchemeLinearMethod
 from moeserve.loader.safetensors import load_safetensors_model
 from tests.models.helpers import YARN, PagedRunner, build_hf_model, hf_greedy, tiny_hf_config
 

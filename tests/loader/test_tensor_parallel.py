@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
@@ -20,25 +19,21 @@ PROMPT = [5, 6, 7, 8, 9, 10]
 STEPS = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, path: str, out: str) -> None:
+def _worker(rank: int, world: int, store: str, path: str, out: str) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from tests.models.helpers import PagedRunner
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    # a file store: no port to race for between picking it and binding it
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     tp = TPGroup(rank, world, dist.group.WORLD)
     lm = load_safetensors_model(path, torch.float32, tp=tp)
     tokens = PagedRunner(lm.model).greedy(PROMPT, STEPS)
     if rank == 0:
         torch.save(tokens, out)
+    # both ranks finish their collectives before either tears gloo down (a rank that
+    # destroys the group while its peer is still connected can abort)
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -49,5 +44,6 @@ def test_tp2_matches_single_process(tmp_path, like, fmt):
     wc = write_checkpoint(str(tmp_path / "ck"), like, fmt, seed=7)
     single = PagedRunner(load_safetensors_model(wc.path, torch.float32).model).greedy(PROMPT, STEPS)
     out = str(tmp_path / "tokens.pt")
-    mp.spawn(_worker, args=(2, _free_port(), wc.path, out), nprocs=2, join=True)
+    store = str(tmp_path / "gloo_store")
+    mp.spawn(_worker, args=(2, store, wc.path, out), nprocs=2, join=True)
     assert torch.load(out) == single

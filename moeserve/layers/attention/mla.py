@@ -25,7 +25,7 @@ from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.quant.base import QuantConfig, make_param
-from moeserve.layers.quant.fp8_block import dense_weight, gpu_kernels_enabled
+from moeserve.layers.quant.scheme import dense_weight, gpu_kernels_enabled
 from moeserve.layers.rotary import RotaryEmbedding, yarn_mscale
 
 FP8_E4M3_MAX = 448.0

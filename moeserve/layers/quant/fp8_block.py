@@ -1,121 +1,17 @@
-"""DeepSeek block-FP8 weights (``weight_scale_inv`` per 128x128 block), and the weight-scheme
-contract that every quantized format in this folder implements.
-
-A *weight scheme* describes the tensors one logical weight [out, in] is stored as
-(`specs`) and how to turn them back into a dense matrix (`dequantize`). The same scheme
-serves a linear layer (`SchemeLinearMethod`) and a bank of stacked experts
-(`moeserve.layers.moe`), so a format is written once. The CPU path dequantizes one layer
-(or one expert) at a time at run time: the model never holds a dense copy of itself.
-"""
+"""DeepSeek block-FP8 weights (``weight_scale_inv`` per 128x128 block) as a weight scheme
+(`moeserve.layers.quant.scheme`)."""
 
 from __future__ import annotations
 
-import functools
 import logging
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block
-from moeserve.layers.quant.base import (
-    LinearMethod,
-    QuantConfig,
-    UnquantizedLinearMethod,
-    make_param,
-)
+from moeserve.layers.quant.base import LinearMethod, QuantConfig, UnquantizedLinearMethod
+from moeserve.layers.quant.scheme import SchemeLinearMethod, TensorSpec, WeightScheme
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One stored tensor of a weight: checkpoint suffix, local shape, dtype, TP axes.
-
-    `out_dim` / `in_dim` name the axes that follow the weight's output / input features
-    (None: the tensor is not split), `out_block` / `in_block` how many features one stored
-    row / column covers (packed FP4: in_block 2; FP4 scales: 16; FP8 block scales: 128).
-    """
-
-    suffix: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    out_dim: int | None = 0
-    in_dim: int | None = 1
-    out_block: int = 1
-    in_block: int = 1
-    optional: bool = False  # may be absent from a checkpoint (e.g. input scales)
-
-
-class WeightScheme:
-    """How one logical weight [out, in] is stored and dequantized."""
-
-    name = "bf16"
-
-    def specs(self, out_features: int, in_features: int, dtype: torch.dtype) -> list[TensorSpec]:
-        return [TensorSpec("weight", (out_features, in_features), dtype)]
-
-    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return t["weight"].to(dtype)
-
-    def nvfp4_view(
-        self, t: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(packed codes, e4m3 block scales, multiplied global scale) in ModelOpt's
-        convention, for the GPU NVFP4 kernels; None if this is not an NVFP4 scheme."""
-        return None
-
-
-class SchemeLinearMethod(LinearMethod):
-    """A `LinearMethod` built from a `WeightScheme` (CPU path: dequantize, then matmul)."""
-
-    def __init__(self, scheme: WeightScheme) -> None:
-        self.scheme = scheme
-
-    def create_weights(
-        self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
-    ) -> None:
-        layer.scheme_suffixes = []
-        for s in self.scheme.specs(output_size, input_size, dtype):
-            p = make_param(
-                torch.zeros(s.shape, dtype=s.dtype), s.out_dim, s.in_dim, s.out_block, s.in_block
-            )
-            p.optional = s.optional
-            setattr(layer, s.suffix, p)
-            layer.scheme_suffixes.append(s.suffix)
-
-    def dense_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-        return self.scheme.dequantize({s: getattr(layer, s) for s in layer.scheme_suffixes}, dtype)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and gpu_kernels_enabled(x.device):
-            view = self.scheme.nvfp4_view({s: getattr(layer, s) for s in layer.scheme_suffixes})
-            if view is not None:  # W4A16 GEMM: dequantized in registers, bf16 tensor cores
-                from moeserve.kernels.nvfp4_gemm import nvfp4_gemm
-
-                x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-                y = nvfp4_gemm(x2, *view)
-                return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
-        return F.linear(x, self.dense_weight(layer, x.dtype))
-
-
-@functools.cache
-def gpu_kernels_enabled(device: torch.device) -> bool:
-    """Whether the Triton kernels serve this device (kernel choice by compute capability)."""
-    from moeserve.kernels.select import select_kernel
-
-    return select_kernel(device) != "torch"
-
-
-def dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A linear layer's weight as a dense [out, in] matrix, whatever its stored format."""
-    method = layer.method
-    if isinstance(method, SchemeLinearMethod):
-        return method.dense_weight(layer, dtype)
-    if isinstance(method, UnquantizedLinearMethod):
-        return layer.weight.to(dtype)
-    raise TypeError(f"{type(method).__name__} cannot give a dense weight")
 
 
 # ---- block FP8 ---------------------------------------------------------------------------

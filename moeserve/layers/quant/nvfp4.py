@@ -20,7 +20,7 @@ import torch
 
 from moeserve.kernels.nvfp4_gemm import NVFP4_BLOCK, dequantize_nvfp4
 from moeserve.layers.quant.base import LinearMethod, QuantConfig, UnquantizedLinearMethod
-from moeserve.layers.quant.fp8_block import SchemeLinearMethod, TensorSpec, WeightScheme
+from moeserve.layers.quant.scheme import SchemeLinearMethod, TensorSpec, WeightScheme
 
 log = logging.getLogger(__name__)
 
