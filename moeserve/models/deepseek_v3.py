@@ -28,6 +28,7 @@ from moeserve.layers.moe import DeepseekMLP, DeepseekMoE
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.quant.base import QuantConfig
 from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.models.decoder import PreNormDecoderLayer
 from moeserve.models.weights import finish_loading
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ _KV_SCALE = re.compile(r"\.self_attn\..*\b[kv]_scale$")
 _SKIPPED_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         cfg: ModelConfig,
@@ -59,21 +60,6 @@ class DeepseekV3DecoderLayer(nn.Module):
             self.mlp = DeepseekMLP(
                 cfg.hidden_size, cfg.intermediate_size, f"{prefix}.mlp", quant, tp, dtype
             )
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class DeepseekV3Model(nn.Module):

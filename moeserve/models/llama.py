@@ -17,6 +17,7 @@ from moeserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.quant.base import QuantConfig
 from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.models.decoder import PreNormDecoderLayer
 from moeserve.models.weights import finish_loading, load_weights_by_rules
 
 
@@ -87,7 +88,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         cfg: ModelConfig,
@@ -102,21 +103,6 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, f"{prefix}.self_attn", quant, tp, dtype, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", quant, tp, dtype)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        ctx: ForwardContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
