@@ -131,3 +131,25 @@ def test_gpu_kernels_match_cpu_reference(tmp_path, monkeypatch, kv):
     assert gpu[0] <= tol and gpu[1] <= tol
     # greedy: the GPU agrees with the fp32 reference at least as long as bf16 torch does
     assert min(gpu[2]) >= min(min(floor[2]), STEPS // 2) or min(gpu[2]) == STEPS
+
+
+def test_gpu_fp8_block_linears_match_cpu_reference(tmp_path, monkeypatch):
+    """DeepSeek block-FP8: the linear layers run the Triton FP8 GEMM on the stored weights."""
+    path = str(tmp_path / "dsv3")
+    write_checkpoint(path, "deepseek-v3", "fp8-block", seed=2)
+    calls = _count_calls(monkeypatch, "moeserve.kernels.fp8_block_gemm", "fp8_block_gemm")
+    kw = dict(max_model_len=256)
+    cpu = LLM(path, device="cpu", dtype="float32", **kw)
+    prompts = [cpu.tokenizer.encode(t, add_special_tokens=False) for t in ("Hello there", "abc")]
+    ref = cpu.generate(
+        prompts,
+        SamplingParams(
+            max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=0
+        ),
+    )
+    floor = _compare(prompts, ref, LLM(path, device="cpu", dtype="bfloat16", **kw))
+    gpu = _compare(prompts, ref, LLM(path, device="cuda", dtype="bfloat16", **kw))
+    print(f"fp8-block: {calls[0]} fp8_block_gemm calls; cpu-bf16 {floor}; gpu-bf16 {gpu}")
+    assert calls[0] > 0
+    tol = 2 * max(floor[0], floor[1]) + 0.02
+    assert gpu[0] <= tol and gpu[1] <= tol

@@ -41,6 +41,13 @@ class Fp8BlockScheme(WeightScheme):
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8_block(t["weight"], t["weight_scale_inv"], dtype, self.block)
 
+    def gpu_matmul(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
+        if self.block != FP8_BLOCK:
+            return None  # the Triton kernel is written for 128x128 blocks
+        from moeserve.kernels.fp8_block_gemm import fp8_block_gemm
+
+        return fp8_block_gemm(x, t["weight"], t["weight_scale_inv"])
+
 
 class Fp8BlockConfig(QuantConfig):
     """`quant_method: fp8` with `weight_block_size` (DeepSeek-V3/R1, Kimi-K2 FP8)."""

@@ -57,6 +57,16 @@ class WeightScheme:
         convention, for the GPU NVFP4 kernels; None if this is not an NVFP4 scheme."""
         return None
 
+    def gpu_matmul(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, K] bf16 @ W^T by a GPU kernel reading the stored format, or None (no kernel:
+        the caller dequantizes)."""
+        view = self.nvfp4_view(t)
+        if view is None:
+            return None
+        from moeserve.kernels.nvfp4_gemm import nvfp4_gemm  # W4A16, dequantized in registers
+
+        return nvfp4_gemm(x, *view)
+
 
 class SchemeLinearMethod(LinearMethod):
     """A `LinearMethod` built from a `WeightScheme` (CPU path: dequantize, then matmul)."""
@@ -81,12 +91,10 @@ class SchemeLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and gpu_kernels_enabled(x.device):
-            view = self.scheme.nvfp4_view({s: getattr(layer, s) for s in layer.scheme_suffixes})
-            if view is not None:  # W4A16 GEMM: dequantized in registers, bf16 tensor cores
-                from moeserve.kernels.nvfp4_gemm import nvfp4_gemm
-
-                x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-                y = nvfp4_gemm(x2, *view)
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+            tensors = {s: getattr(layer, s) for s in layer.scheme_suffixes}
+            y = self.scheme.gpu_matmul(tensors, x2)
+            if y is not None:  # the stored format straight into a Triton kernel
                 return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.dense_weight(layer, x.dtype))
 
