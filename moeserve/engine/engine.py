@@ -130,7 +130,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.runner.execute(batch)
         self.scheduler.after_step(batch)
-        self.metrics.on_step(time.perf_counter() - t0, sum(batch.num_tokens), len(batch.requests))
+        self.metrics.on_step(time.perf_counter() - t0, sum(batch.num_tokens))
         for i, req in enumerate(batch.requests):
             live = self.live[req.request_id]
             plp = result.prompt_logprobs[i]

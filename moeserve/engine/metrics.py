@@ -29,7 +29,7 @@ class EngineMetrics:
     def on_preempt(self, n: int) -> None:
         self.preemptions += n
 
-    def on_step(self, seconds: float, tokens: int, seqs: int) -> None:
+    def on_step(self, seconds: float, tokens: int) -> None:
         self.steps += 1
         self.step_seconds += seconds
         self.batched_tokens += tokens

@@ -25,7 +25,7 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
-from moeserve.layers.quant.base import QuantConfig, make_param
+from moeserve.layers.quant.base import QuantConfig, copy_loader, make_param
 from moeserve.layers.quant.scheme import WeightScheme, gpu_kernels_enabled
 
 log = logging.getLogger(__name__)
@@ -256,19 +256,15 @@ class Router(nn.Module):
     def __init__(self, num_experts: int, hidden: int, with_bias: bool) -> None:
         super().__init__()
         self.weight = make_param(torch.zeros(num_experts, hidden), None, None)
-        self.weight.weight_loader = _copy_loader
+        self.weight.weight_loader = copy_loader
         if with_bias:
             self.e_score_correction_bias = make_param(torch.zeros(num_experts), None, None)
-            self.e_score_correction_bias.weight_loader = _copy_loader
+            self.e_score_correction_bias.weight_loader = copy_loader
         else:
             self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)
-
-
-def _copy_loader(param: nn.Parameter, w: torch.Tensor, shard_id: object = None) -> None:
-    param.data.copy_(w.reshape(param.shape))
 
 
 class DeepseekMoE(nn.Module):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.quant.base import make_param
+from moeserve.layers.quant.base import copy_loader, make_param
 
 
 class RMSNorm(nn.Module):
@@ -14,7 +14,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = make_param(torch.ones(size, dtype=dtype), None, None)
-        self.weight.weight_loader = _copy_loader
+        self.weight.weight_loader = copy_loader
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -26,7 +26,3 @@ class RMSNorm(nn.Module):
         # one fused op (accumulates in fp32; exact against the fp32 formula in fp32)
         y = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return y if residual is None else (y, residual)
-
-
-def _copy_loader(param: nn.Parameter, w: torch.Tensor, shard_id: object = None) -> None:
-    param.data.copy_(w.reshape(param.shape))

@@ -35,6 +35,11 @@ def make_param(
     return p
 
 
+def copy_loader(param: nn.Parameter, w: torch.Tensor, shard_id: object = None) -> None:
+    """`weight_loader` of a replicated parameter: the checkpoint tensor as it is."""
+    param.data.copy_(w.reshape(param.shape))
+
+
 class LinearMethod(ABC):
     """Creates and applies the weights of one linear layer y = x W^T (+ b)."""
 
