@@ -38,10 +38,12 @@ GEMM_SHAPES = {  # name -> (N, K), Kimi-K2.5
     "o_proj": (7168, 8192),
     "q_b_proj": (12288, 1536),
 }
-GEMM_MS = (1, 16, 64)
+GEMM_MS = (1, 2, 4, 8, 16, 64)
+GEMV_MAX_BENCH_M = 8  # the CUDA-core GEMV is timed up to here, the tensor-core path everywhere
 PREFILL_M = 2048  # large-M path, timed on the first shape only (compile time is scarce)
 MOE = {"E": 384, "H": 7168, "I": 2048, "topk": 8}
-MOE_MS = (1, 64)
+MOE_MS = (1, 16, 64)
+TABLE = {"gemv": "nvfp4_gemv", "mma": "nvfp4_gemm"}
 DECODE_ORDER = (nv.DECODE_ASM, nv.DECODE_BITS, nv.DECODE_ARITH)  # first that passes is used
 
 
@@ -131,8 +133,10 @@ def correctness(dev: str, results: list, smoke: bool = False) -> dict[str, bool]
         if dec == nv.DECODE_ARITH and any(decode_ok.values()):
             continue  # slow fallback, only needed when both packed decodes fail
         try:
-            y = nv.nvfp4_gemm(x, packed, scale, gs, decode=dec)
-            decode_ok[dec] = check_close(f"nvfp4 small decode={dec}", y, ref, results)
+            y = nv.nvfp4_gemm(x, packed, scale, gs, decode=dec, kernel="mma")
+            ok = check_close(f"nvfp4 mma small decode={dec}", y, ref, results)
+            y = nv.nvfp4_gemm(x, packed, scale, gs, decode=dec, kernel="gemv")
+            decode_ok[dec] = check_close(f"nvfp4 gemv small decode={dec}", y, ref, results) and ok
         except Exception as e:  # noqa: BLE001
             log(f"  decode={dec} failed: {e!r}"[:2000])
             decode_ok[dec] = False
@@ -145,12 +149,12 @@ def correctness(dev: str, results: list, smoke: bool = False) -> dict[str, bool]
     for name, (n, k) in list(GEMM_SHAPES.items())[:2]:
         w = torch.randn(n, k, device=dev) * 0.02
         packed, scale, gs = nv.quantize_nvfp4(w)
-        for m in (1, 100):
+        for m, kernel in ((1, "gemv"), (3, "gemv"), (1, "mma"), (100, "mma")):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             try:
                 check_close(
-                    f"nvfp4 {name} M={m}",
-                    nv.nvfp4_gemm(x, packed, scale, gs, decode=dec),
+                    f"nvfp4 {kernel} {name} M={m}",
+                    nv.nvfp4_gemm(x, packed, scale, gs, decode=dec, kernel=kernel),
                     nv.nvfp4_gemm_ref(x, packed, scale, gs),
                     results,
                 )
@@ -179,14 +183,17 @@ def correctness(dev: str, results: list, smoke: bool = False) -> dict[str, bool]
     for j in range(e_):
         w13[j], s13[j], g13[j] = nv.quantize_nvfp4(torch.randn(2 * i, h, device=dev) * 0.02)
         w2[j], s2[j], g2[j] = nv.quantize_nvfp4(torch.randn(h, i, device=dev) * 0.02)
-    for m in (1, 7) if smoke else (1, 64):
+    ms = ((1, "gemv"), (7, "gemv"), (7, "mma")) if smoke else ((1, "gemv"), (64, "gemv"))
+    for m, kernel in ms + (() if smoke else ((1, "mma"), (64, "mma"))):
         x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(e_, device=dev)[:topk] for _ in range(m)]).int()
         tw = torch.rand(m, topk, device=dev)
         try:
-            y = moe_mod.fused_moe_nvfp4(x, ids, tw, w13, s13, g13, w2, s2, g2, decode=dec)
+            y = moe_mod.fused_moe_nvfp4(
+                x, ids, tw, w13, s13, g13, w2, s2, g2, decode=dec, kernel=kernel
+            )
             check_close(
-                f"moe M={m}",
+                f"moe {kernel} M={m}",
                 y,
                 moe_mod.fused_moe_nvfp4_ref(x, ids, tw, w13, s13, g13, w2, s2, g2),
                 results,
@@ -200,11 +207,23 @@ def correctness(dev: str, results: list, smoke: bool = False) -> dict[str, bool]
 # --------------------------------------------------------------------------- GEMM benchmarks
 
 
-def sweep_configs(m: int) -> list[dict | None]:
+def sweep_configs(m: int, kernel: str) -> list[dict | None]:
     """Candidate tiles (None = the shipped table's choice); only M=1 is swept, because every
     candidate is a fresh compile on a fresh machine and device time is scarce."""
     if m != 1:
         return [None]
+    if kernel == "gemv":
+        return [None] + [
+            dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=1)
+            for bn, bk, sk, w in (
+                (16, 512, 0, 4),
+                (64, 256, 0, 4),
+                (32, 256, 0, 8),
+                (32, 512, 0, 8),
+                (32, 256, 1, 4),
+                (16, 256, 0, 2),
+            )
+        ]
     return [None] + [
         dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=0, num_warps=w, num_stages=st)
         for bn, bk, w, st in ((64, 256, 4, 3), (128, 128, 8, 3), (32, 128, 4, 4))
@@ -234,85 +253,131 @@ def bench_nvfp4(
             outs = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             calls = 100 if m <= 64 else 20
             workspace = nv.SplitKWorkspace.create(m * n, 4096, dev)
-            cfgs = sweep_configs(m) if sweep else [None]
-            if alt_decode is not None and m == 1:  # the other decode, for comparison
-                fns = [
-                    lambda w=w: nv.nvfp4_gemm(
-                        x, *w, out=outs, workspace=workspace, decode=alt_decode
-                    )
-                    for w in ws
-                ]
-                try:
-                    ta = graph_time_us(fns, calls)
-                    b = nvfp4_bytes(m, n, k)
-                    records.append(
-                        {
-                            "kernel": f"nvfp4_gemm decode={alt_decode}",
-                            "shape": name,
-                            "N": n,
-                            "K": k,
-                            "M": m,
-                            "config": None,
-                            **ta,
-                            "bytes": b,
-                            "GBps": b / ta["us"] / 1e3,
-                            "pct_hbm": 100 * b / ta["us"] / 1e-6 / HBM_BYTES_PER_S,
-                        }
-                    )
-                    log(f"  {name} M=1 decode={alt_decode}: {ta['us']:.2f} us")
-                except Exception as e:  # noqa: BLE001
-                    log(f"  alt decode failed: {e!r}"[:600])
-            best = None
-            for cfg in cfgs:
-                fns = [
-                    lambda w=w, cfg=cfg: nv.nvfp4_gemm(
-                        x, *w, out=outs, workspace=workspace, config=cfg, decode=decode
-                    )
-                    for w in ws
-                ]
-                try:
-                    t = graph_time_us(fns, calls)
-                except Exception as e:  # noqa: BLE001
-                    log(f"  {name} M={m} cfg={cfg} failed: {e!r}"[:600])
-                    continue
-                if sweep:
-                    log(f"    sweep {name} M={m} {cfg}: {t['us']:.2f} us")
-                if best is None or t["us"] < best[1]["us"]:
-                    best = (cfg, t)
-            if best is None:
-                continue
-            cfg, t = best
-            fns_peer = [lambda w=w: torch.matmul(x, w.t(), out=outs) for w in wbf]
-            tp = graph_time_us(fns_peer, calls)
-            b = nvfp4_bytes(m, n, k)
-            rec = {
-                "kernel": "nvfp4_gemm",
-                "shape": name,
-                "N": n,
-                "K": k,
-                "M": m,
-                "config": cfg or tile_config("nvfp4_gemm", m, f"{n}x{k}"),
-                **t,
-                "bytes": b,
-                "GBps": b / t["us"] / 1e3,
-                "pct_hbm": 100 * b / t["us"] / 1e-6 / HBM_BYTES_PER_S,
-                "peer": "torch.matmul bf16 (dequantized weight)",
-                "peer_us": tp["us"],
-                "peer_GBps": (2 * n * k + 2 * m * k + 2 * m * n) / tp["us"] / 1e3,
-                "speedup_vs_peer": tp["us"] / t["us"],
-            }
-            records.append(rec)
-            if sweep and cfg is not None:
-                best_cfgs.setdefault("nvfp4_gemm", {}).setdefault(f"{n}x{k}", []).append(
-                    {"max_m": m, **cfg}
+            for kernel in ("gemv", "mma") if m <= GEMV_MAX_BENCH_M else ("mma",):
+                bench_one(
+                    name,
+                    n,
+                    k,
+                    m,
+                    x,
+                    outs,
+                    ws,
+                    wbf,
+                    workspace,
+                    kernel,
+                    decode,
+                    sweep,
+                    records,
+                    best_cfgs,
+                    calls,
+                    alt_decode if kernel == "mma" else None,
                 )
-            log(
-                f"  {name:15s} M={m:5d}: {t['us']:8.2f} us ({t['us_min']:.2f}-{t['us_max']:.2f}) "
-                f"{rec['GBps']:7.0f} GB/s {rec['pct_hbm']:5.1f}% | torch bf16 {tp['us']:8.2f} us "
-                f"-> {rec['speedup_vs_peer']:.2f}x"
-            )
         del ws, wbf
         torch.cuda.empty_cache()
+
+
+def bench_one(
+    name,
+    n,
+    k,
+    m,
+    x,
+    outs,
+    ws,
+    wbf,
+    workspace,
+    kernel,
+    decode,
+    sweep,
+    records,
+    best_cfgs,
+    calls,
+    alt_decode,
+) -> None:
+    """Time one (shape, M, kernel): the best of the candidate configs, and the torch peer."""
+    cfgs = sweep_configs(m, kernel) if sweep else [None]
+    if alt_decode is not None and m == 1:  # the other decode, for comparison
+        fns = [
+            lambda w=w: nv.nvfp4_gemm(
+                x, *w, out=outs, workspace=workspace, decode=alt_decode, kernel=kernel
+            )
+            for w in ws
+        ]
+        try:
+            ta = graph_time_us(fns, calls)
+            b = nvfp4_bytes(m, n, k)
+            records.append(
+                {
+                    "kernel": f"nvfp4_gemm decode={alt_decode}",
+                    "shape": name,
+                    "N": n,
+                    "K": k,
+                    "M": m,
+                    "config": None,
+                    **ta,
+                    "bytes": b,
+                    "GBps": b / ta["us"] / 1e3,
+                    "pct_hbm": 100 * b / ta["us"] / 1e-6 / HBM_BYTES_PER_S,
+                }
+            )
+            log(f"  {name} M=1 decode={alt_decode}: {ta['us']:.2f} us")
+        except Exception as e:  # noqa: BLE001
+            log(f"  alt decode failed: {e!r}"[:600])
+    best = None
+    for cfg in cfgs:
+        fns = [
+            lambda w=w, cfg=cfg: nv.nvfp4_gemm(
+                x,
+                *w,
+                out=outs,
+                workspace=workspace,
+                config=cfg,
+                decode=decode,
+                kernel=kernel,
+            )
+            for w in ws
+        ]
+        try:
+            t = graph_time_us(fns, calls)
+        except Exception as e:  # noqa: BLE001
+            log(f"  {name} M={m} cfg={cfg} failed: {e!r}"[:600])
+            continue
+        if sweep:
+            log(f"    sweep {name} M={m} {cfg}: {t['us']:.2f} us")
+        if best is None or t["us"] < best[1]["us"]:
+            best = (cfg, t)
+    if best is None:
+        return
+    cfg, t = best
+    fns_peer = [lambda w=w: torch.matmul(x, w.t(), out=outs) for w in wbf]
+    tp = graph_time_us(fns_peer, calls)
+    b = nvfp4_bytes(m, n, k)
+    rec = {
+        "kernel": f"nvfp4_gemm[{kernel}]",
+        "shape": name,
+        "N": n,
+        "K": k,
+        "M": m,
+        "config": cfg or tile_config(TABLE[kernel], m, f"{n}x{k}"),
+        **t,
+        "bytes": b,
+        "GBps": b / t["us"] / 1e3,
+        "pct_hbm": 100 * b / t["us"] / 1e-6 / HBM_BYTES_PER_S,
+        "peer": "torch.matmul bf16 (dequantized weight)",
+        "peer_us": tp["us"],
+        "peer_GBps": (2 * n * k + 2 * m * k + 2 * m * n) / tp["us"] / 1e3,
+        "speedup_vs_peer": tp["us"] / t["us"],
+    }
+    records.append(rec)
+    if sweep and cfg is not None:
+        best_cfgs.setdefault(TABLE[kernel], {}).setdefault(f"{n}x{k}", []).append(
+            {"max_m": m, **cfg}
+        )
+    log(
+        f"  {kernel} {name:15s} M={m:5d}: {t['us']:8.2f} us ({t['us_min']:.2f}-{t['us_max']:.2f}) "
+        f"{rec['GBps']:7.0f} GB/s {rec['pct_hbm']:5.1f}% | torch bf16 {tp['us']:8.2f} us "
+        f"-> {rec['speedup_vs_peer']:.2f}x"
+    )
 
 
 def bench_fp8(dev: str, sweep: bool, records: list, best_cfgs: dict) -> None:
@@ -383,6 +448,24 @@ def bench_fp8(dev: str, sweep: bool, records: list, best_cfgs: dict) -> None:
 # --------------------------------------------------------------------------- MoE benchmark
 
 
+def moe_candidates(m: int, sweep: bool) -> list[tuple[str, dict | None, dict | None]]:
+    """(kernel, gate_up config, down config) to time; None = the shipped table."""
+    cands: list[tuple[str, dict | None, dict | None]] = [("gemv", None, None), ("mma", None, None)]
+    if not sweep:
+        return cands
+    mps = (1,) if m == 1 else (1, 2, 4)
+    for mp in mps:
+        for bn, bk, w, dbn in (
+            (16, 256, 4, 32),
+            (32, 256, 4, 32),
+            (16, 512, 4, 16),
+            (32, 256, 4, 64),
+        ):
+            cfg = dict(MP=mp, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=1, DOWN_BLOCK_N=dbn)
+            cands.append(("gemv", cfg, None))
+    return cands
+
+
 def bench_moe(dev: str, decode: int, sweep: bool, records: list, best_cfgs: dict) -> None:
     e_, h, i, topk = MOE["E"], MOE["H"], MOE["I"], MOE["topk"]
     log(f"== fused NVFP4 MoE: {topk} of {e_} experts, H={h}, I={i} (graph-timed) ==")
@@ -407,27 +490,11 @@ def bench_moe(dev: str, decode: int, sweep: bool, records: list, best_cfgs: dict
         touched = [len(torch.unique(r)) for r in routes]
         b = statistics.mean(touched) * per_expert + 2 * m * h * 2
         calls = 40 if m <= 16 else 8
-        cfgs = [(None, None)]
-        if sweep:
-            bm = 16
-            cfgs = [
-                (
-                    dict(BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=w1, num_stages=s1),
-                    dict(BLOCK_N=bn2, BLOCK_K=bk2, num_warps=w2_, num_stages=s2_),
-                )
-                for (bn1, bk1, w1, s1), (bn2, bk2, w2_, s2_) in [
-                    ((32, 256, 4, 3), (64, 256, 4, 3)),
-                    ((64, 256, 4, 3), (128, 256, 4, 3)),
-                    ((16, 256, 4, 3), (32, 256, 4, 3)),
-                    ((32, 512, 4, 2), (64, 512, 4, 2)),
-                    ((32, 128, 4, 4), (64, 128, 4, 4)),
-                    ((64, 256, 8, 3), (128, 256, 8, 3)),
-                ]
-            ][: 6 if m == 1 else 3]
-        best = None
-        for c1, c2 in cfgs:
+        cands = moe_candidates(m, sweep)
+        best: dict[str, tuple] = {}
+        for kernel, c1, c2 in cands:
             fns = [
-                lambda r=r, tw=tw, c1=c1, c2=c2: moe_mod.fused_moe_nvfp4(
+                lambda r=r, tw=tw, c1=c1, c2=c2, kernel=kernel: moe_mod.fused_moe_nvfp4(
                     x,
                     r,
                     tw,
@@ -441,21 +508,20 @@ def bench_moe(dev: str, decode: int, sweep: bool, records: list, best_cfgs: dict
                     gate_up_config=c1,
                     down_config=c2,
                     decode=decode,
+                    kernel=kernel,
                 )
                 for r, tw in zip(routes, tws, strict=True)
             ]
             try:
                 t = graph_time_us(fns, calls, reps=5)
             except Exception as e:  # noqa: BLE001
-                log(f"  moe M={m} cfg={c1},{c2} failed: {e!r}"[:600])
+                log(f"  moe {kernel} M={m} cfg={c1},{c2} failed: {e!r}"[:600])
                 continue
-            if sweep:
-                log(f"    sweep moe M={m} {c1} {c2}: {t['us']:.1f} us")
-            if best is None or t["us"] < best[1]["us"]:
-                best = ((c1, c2), t)
-        if best is None:
+            log(f"    moe {kernel} M={m} {c1} {c2}: {t['us']:.1f} us")
+            if kernel not in best or t["us"] < best[kernel][2]["us"]:
+                best[kernel] = (c1, c2, t)
+        if not best:
             continue
-        (c1, c2), t = best
         # torch peer: loop over the touched experts with bf16 dequantized weights (one routing)
         r0, tw0 = routes[0], tws[0]
         experts = torch.unique(r0).tolist()
@@ -476,31 +542,38 @@ def bench_moe(dev: str, decode: int, sweep: bool, records: list, best_cfgs: dict
 
         tp = graph_time_us([peer], 1 if m > 16 else 5, reps=3)
         peer_b = len(experts) * 3 * i * h * 2
-        rec = {
-            "kernel": "fused_moe_nvfp4",
-            "M": m,
-            "experts_touched_mean": statistics.mean(touched),
-            "config": {
-                "gate_up": c1 or tile_config("moe_gate_up", m, ""),
-                "down": c2 or tile_config("moe_down", m, ""),
-            },
-            **t,
-            "bytes": b,
-            "GBps": b / t["us"] / 1e3,
-            "pct_hbm": 100 * b / t["us"] / 1e-6 / HBM_BYTES_PER_S,
-            "peer": "torch loop over experts, bf16 dequantized weights",
-            "peer_us": tp["us"],
-            "peer_GBps": peer_b / tp["us"] / 1e3,
-            "speedup_vs_peer": tp["us"] / t["us"] * (statistics.mean(touched) / len(experts)),
-        }
-        records.append(rec)
-        if sweep and c1 is not None:
-            best_cfgs.setdefault("moe", []).append({"max_m": m, "gate_up": c1, "down": c2})
-        log(
-            f"  moe M={m:4d}: {t['us']:9.1f} us ({t['us_min']:.1f}-{t['us_max']:.1f}) "
-            f"experts~{statistics.mean(touched):.0f} {rec['GBps']:7.0f} GB/s "
-            f"{rec['pct_hbm']:5.1f}% | torch loop {tp['us']:9.1f} us"
-        )
+        for kernel, (c1, c2, t) in best.items():
+            if kernel == "gemv":
+                config = c1 or tile_config("moe_gemv", m, "")
+            else:
+                config = {
+                    "gate_up": c1 or tile_config("moe_gate_up", m, ""),
+                    "down": c2 or tile_config("moe_down", m, ""),
+                }
+            rec = {
+                "kernel": f"fused_moe_nvfp4[{kernel}]",
+                "M": m,
+                "experts_touched_mean": statistics.mean(touched),
+                "config": config,
+                **t,
+                "bytes": b,
+                "GBps": b / t["us"] / 1e3,
+                "pct_hbm": 100 * b / t["us"] / 1e-6 / HBM_BYTES_PER_S,
+                "peer": "torch loop over experts, bf16 dequantized weights",
+                "peer_us": tp["us"],
+                "peer_GBps": peer_b / tp["us"] / 1e3,
+                "speedup_vs_peer": tp["us"] / t["us"] * (statistics.mean(touched) / len(experts)),
+            }
+            records.append(rec)
+            if sweep and c1 is not None:
+                best_cfgs.setdefault(f"moe_{kernel}", []).append(
+                    {"max_m": m, "gate_up": c1, "down": c2}
+                )
+            log(
+                f"  moe {kernel} M={m:4d}: {t['us']:9.1f} us ({t['us_min']:.1f}-{t['us_max']:.1f}) "
+                f"experts~{statistics.mean(touched):.0f} {rec['GBps']:7.0f} GB/s "
+                f"{rec['pct_hbm']:5.1f}% | torch loop {tp['us']:9.1f} us"
+            )
         torch.cuda.empty_cache()
 
 
@@ -607,7 +680,7 @@ def main() -> int:
     # most important first: a run cut short by its time limit still returns these
     for part, fn in (
         ("nvfp4", lambda: bench_nvfp4(dev, decode, args.sweep, records, best_cfgs, names[:2], alt)),
-        ("moe", lambda: bench_moe(dev, decode, False, records, best_cfgs)),
+        ("moe", lambda: bench_moe(dev, decode, args.sweep, records, best_cfgs)),
         ("nvfp4", lambda: bench_nvfp4(dev, decode, False, records, best_cfgs, names[2:])),
         ("fp8", lambda: bench_fp8(dev, False, records, best_cfgs)),
     ):

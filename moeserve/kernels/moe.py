@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.configs import tile_config
+from moeserve.kernels.configs import max_rows, tile_config
 from moeserve.kernels.nvfp4_gemm import (
     ACC_FIX_EXP,
     NVFP4_BLOCK,
@@ -37,6 +37,7 @@ from moeserve.kernels.nvfp4_gemm import (
     dequantize_nvfp4,
     interpreting,
 )
+from moeserve.kernels.nvfp4_gemv import GEMV_F16_EXP, gemv_accumulate
 
 ALIGN_CHUNK = 1024  # slots handled per vector step inside the single-program align kernel
 ALIGN_BCHUNK = 32  # blocks per step when mapping blocks to experts ([32, E] compare)
@@ -255,6 +256,169 @@ def _moe_down_kernel(
 
 
 @triton.jit
+def _block_slots(sorted_ptr, pid_b, Mk, MP: tl.constexpr):
+    """The slots of aligned block pid_b (MP of them; the rest, and padding, are Mk)."""
+    base = sorted_ptr + pid_b * MP
+    s0 = tl.load(base)
+    s1 = s0 * 0 + Mk
+    s2 = s1
+    s3 = s1
+    if MP > 1:
+        s1 = tl.load(base + 1)
+    if MP > 2:
+        s2 = tl.load(base + 2)
+        s3 = tl.load(base + 3)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _store_gate_up(acc, slot, Mk, gs, inter_ptr, offs_n, INTER, BLOCK_N: tl.constexpr):
+    """acc [2*BLOCK_N, BW/2] (gate rows, then up rows) -> inter[slot, offs_n] = silu(g) * u."""
+    v = tl.sum(acc, axis=1) * gs
+    g, u = tl.split(tl.permute(tl.reshape(v, (2, BLOCK_N)), (1, 0)))
+    h = g / (1.0 + tl.exp(-g)) * u
+    ptrs = inter_ptr + slot.to(tl.int64) * INTER + offs_n
+    tl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=(offs_n < INTER) & (slot < Mk))
+
+
+@triton.jit
+def _moe_gate_up_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    inter_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    Mk,
+    INTER,
+    H,
+    stride_xm,
+    TOPK: tl.constexpr,
+    MP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    """CUDA-core decode path of _moe_gate_up_kernel: block pid(0) (MP slots of one expert),
+    gate rows and up rows of column tile pid(1) decoded as one [2*BLOCK_N] row tile, so every
+    x element loaded serves both. Blocks vary fastest: the blocks of one expert read the same
+    weight tile at about the same time, from L2 after the first."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_b)
+    if expert < 0:
+        return
+    BW: tl.constexpr = BLOCK_K // 8
+    KW = H // 8
+    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP)
+    r = tl.arange(0, 2 * BLOCK_N)
+    offs_n = pid_n * BLOCK_N + r % BLOCK_N
+    w_row = offs_n + (r >= BLOCK_N).to(tl.int32) * INTER
+    n_ok = (offs_n < INTER)[:, None]
+    w_rows = w_ptr + (expert.to(tl.int64) * 2 * INTER + w_row[:, None]) * KW
+    s_rows = s_ptr + (expert.to(tl.int64) * 2 * INTER + w_row[:, None]) * (KW // 2)
+    acc0, acc1, acc2, acc3 = gemv_accumulate(
+        x_ptr + (s0 // TOPK).to(tl.int64) * stride_xm,
+        x_ptr + (s1 // TOPK).to(tl.int64) * stride_xm,
+        x_ptr + (s2 // TOPK).to(tl.int64) * stride_xm,
+        x_ptr + (s3 // TOPK).to(tl.int64) * stride_xm,
+        s0 < Mk,
+        s1 < Mk,
+        s2 < Mk,
+        s3 < Mk,
+        w_rows,
+        s_rows,
+        n_ok,
+        0,
+        KW,
+        H,
+        2 * BLOCK_N,
+        BW,
+        MP,
+        K_ITERS,
+        DECODE,
+    )
+    gs = tl.load(gs_ptr + expert) * (2.0**GEMV_F16_EXP)
+    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _store_gate_up(acc0, s0, Mk, gs, inter_ptr, on, INTER, BLOCK_N)
+    if MP > 1:
+        _store_gate_up(acc1, s1, Mk, gs, inter_ptr, on, INTER, BLOCK_N)
+    if MP > 2:
+        _store_gate_up(acc2, s2, Mk, gs, inter_ptr, on, INTER, BLOCK_N)
+        _store_gate_up(acc3, s3, Mk, gs, inter_ptr, on, INTER, BLOCK_N)
+
+
+@triton.jit
+def _store_down(acc, slot, Mk, gs, topk_w_ptr, y_ptr, offs_n, H):
+    ok = slot < Mk
+    wt = tl.load(topk_w_ptr + slot, mask=ok, other=0.0)
+    v = tl.sum(acc, axis=1) * (gs * wt)
+    tl.store(y_ptr + slot.to(tl.int64) * H + offs_n, v, mask=(offs_n < H) & ok)
+
+
+@triton.jit
+def _moe_down_gemv_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    y_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    topk_w_ptr,
+    Mk,
+    H,
+    INTER,
+    MP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    """CUDA-core decode path of _moe_down_kernel (same outputs), grid like the gate_up GEMV."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_b)
+    if expert < 0:
+        return
+    BW: tl.constexpr = BLOCK_K // 8
+    KW = INTER // 8
+    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = expert.to(tl.int64) * H + offs_n[:, None]
+    acc0, acc1, acc2, acc3 = gemv_accumulate(
+        a_ptr + s0.to(tl.int64) * INTER,
+        a_ptr + s1.to(tl.int64) * INTER,
+        a_ptr + s2.to(tl.int64) * INTER,
+        a_ptr + s3.to(tl.int64) * INTER,
+        s0 < Mk,
+        s1 < Mk,
+        s2 < Mk,
+        s3 < Mk,
+        w_ptr + rows * KW,
+        s_ptr + rows * (KW // 2),
+        (offs_n < H)[:, None],
+        0,
+        KW,
+        INTER,
+        BLOCK_N,
+        BW,
+        MP,
+        K_ITERS,
+        DECODE,
+    )
+    gs = tl.load(gs_ptr + expert) * (2.0**GEMV_F16_EXP)
+    _store_down(acc0, s0, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
+    if MP > 1:
+        _store_down(acc1, s1, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
+    if MP > 2:
+        _store_down(acc2, s2, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
+        _store_down(acc3, s3, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
+
+
+@triton.jit
 def _moe_combine_kernel(y_ptr, out_ptr, H, stride_om, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[m, :] = sum_j y[m*TOPK + j, :] (fp32 sum, stored in out's dtype)."""
     m = tl.program_id(0)
@@ -356,20 +520,123 @@ def fused_moe_nvfp4(
     gate_up_config: dict[str, int] | None = None,
     down_config: dict[str, int] | None = None,
     decode: int | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Fused NVFP4 MoE, see the module docstring for layouts. Graph-capturable (no host sync);
-    temporaries come from the caching allocator (the graph's pool under capture)."""
+    temporaries come from the caching allocator (the graph's pool under capture).
+    `kernel`: "gemv" (CUDA-core decode path, blocks of a few slots), "mma" (tensor cores) or
+    None: GEMV up to the token count of tiles.json's "moe_gemv" table."""
     _check_moe_args(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs)
     m, h = x.shape
     num_e, two_i, _ = w13.shape
-    inter_size = two_i // 2
     topk = topk_ids.shape[1]
-    mk = m * topk
     if out is None:
         out = torch.empty(m, h, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     dec = default_decode(x.device) if decode is None else decode
+    tw = topk_weights.reshape(-1).to(torch.float32)
+    key = f"{num_e}:{two_i}x{h}"
+    if kernel is None:
+        kernel = "gemv" if m <= max_rows("moe_gemv", key) else "mma"
+    if kernel == "gemv":
+        cfg = {**tile_config("moe_gemv", m, key), **(gate_up_config or {})}
+        y = _moe_gemv(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg, dec)
+    elif kernel == "mma":
+        y = _moe_mma(
+            x,
+            topk_ids,
+            tw,
+            w13,
+            w13_scale,
+            w13_gs,
+            w2,
+            w2_scale,
+            w2_gs,
+            gate_up_config,
+            down_config,
+            dec,
+        )
+    else:
+        raise ValueError(f"unknown MoE kernel {kernel!r}")
+    _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK_H))](
+        y,
+        out,
+        h,
+        out.stride(0),
+        TOPK=topk,
+        BLOCK_H=COMBINE_BLOCK_H,
+        num_warps=4,
+    )
+    return out
+
+
+def _moe_gemv(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg, dec):
+    """Align into blocks of MP slots, then the two CUDA-core GEMV kernels -> y [M*k, H] fp32."""
+    m, h = x.shape
+    num_e, two_i, _ = w13.shape
+    inter_size = two_i // 2
+    topk = topk_ids.shape[1]
+    mk = m * topk
+    mp, bn, bk = cfg["MP"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    sorted_ids, expert_ids = moe_align(topk_ids, num_e, mp)
+    nb = expert_ids.numel()
+    inter = torch.empty(mk, inter_size, dtype=x.dtype, device=x.device)
+    y = torch.empty(mk, h, dtype=torch.float32, device=x.device)
+    _moe_gate_up_gemv_kernel[(nb, triton.cdiv(inter_size, bn))](
+        x,
+        w13.view(torch.int32),
+        w13_scale.view(torch.uint8),
+        w13_gs,
+        inter,
+        sorted_ids,
+        expert_ids,
+        mk,
+        inter_size,
+        h,
+        x.stride(0),
+        TOPK=topk,
+        MP=mp,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        K_ITERS=triton.cdiv(h, bk),
+        DECODE=dec,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    bn2 = cfg.get("DOWN_BLOCK_N", bn)
+    _moe_down_gemv_kernel[(nb, triton.cdiv(h, bn2))](
+        inter,
+        w2.view(torch.int32),
+        w2_scale.view(torch.uint8),
+        w2_gs,
+        y,
+        sorted_ids,
+        expert_ids,
+        tw,
+        mk,
+        h,
+        inter_size,
+        MP=mp,
+        BLOCK_N=bn2,
+        BLOCK_K=bk,
+        K_ITERS=triton.cdiv(inter_size, bk),
+        DECODE=dec,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+def _moe_mma(
+    x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, gate_up_config, down_config, dec
+):
+    """Tensor-core path -> y [M*k, H] fp32 (per-slot rows, routing weight applied)."""
+    m, h = x.shape
+    num_e, two_i, _ = w13.shape
+    inter_size = two_i // 2
+    topk = topk_ids.shape[1]
+    mk = m * topk
     cfg1 = gate_up_config or tile_config("moe_gate_up", m, f"{num_e}:{two_i}x{h}")
     cfg2 = down_config or tile_config("moe_down", m, f"{num_e}:{h}x{inter_size}")
     bm = cfg1["BLOCK_M"]  # the alignment block size is shared by both GEMMs
@@ -377,7 +644,6 @@ def fused_moe_nvfp4(
     nb = expert_ids.numel()
     inter = torch.empty(mk, inter_size, dtype=x.dtype, device=x.device)
     y = torch.empty(mk, h, dtype=torch.float32, device=x.device)
-    tw = topk_weights.reshape(-1).to(torch.float32)
     bn1, bk1 = cfg1["BLOCK_N"], cfg1["BLOCK_K"]
     _moe_gate_up_kernel[(triton.cdiv(inter_size, bn1), nb)](
         x,
@@ -423,13 +689,4 @@ def fused_moe_nvfp4(
         num_warps=cfg2["num_warps"],
         num_stages=cfg2["num_stages"],
     )
-    _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK_H))](
-        y,
-        out,
-        h,
-        out.stride(0),
-        TOPK=topk,
-        BLOCK_H=COMBINE_BLOCK_H,
-        num_warps=4,
-    )
-    return out
+    return y

@@ -404,7 +404,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-from moeserve.kernels.configs import tile_config  # noqa: E402
+from moeserve.kernels.configs import max_rows, tile_config  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -449,7 +449,9 @@ def probe_decode(device: torch.device) -> int:
     cfg |= {"num_warps": 4, "num_stages": 2}
     for mode in (DECODE_ASM, DECODE_BITS):
         try:
-            if torch.equal(nvfp4_gemm(x, packed, scale, gs, config=cfg, decode=mode), ref):
+            mma = nvfp4_gemm(x, packed, scale, gs, config=cfg, decode=mode, kernel="mma")
+            gemv = nvfp4_gemm(x, packed, scale, gs, decode=mode, kernel="gemv")
+            if torch.equal(mma, ref) and torch.equal(gemv, ref):
                 return mode
             log.warning("NVFP4 decode mode %d is wrong on %s; trying the next one", mode, device)
         except Exception as e:  # noqa: BLE001 - any compile/launch failure means "not this one"
@@ -514,12 +516,15 @@ def nvfp4_gemm(
     workspace: SplitKWorkspace | None = None,
     config: dict[str, int] | None = None,
     decode: int | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """W4A16 GEMM: x [M, K] bf16 @ dequant(W [N, K])^T -> out [M, N] bf16 (fp32 accumulate).
 
     packed uint8 [N, K/2], scale float8_e4m3fn [N, K/16], global_scale fp32 scalar (a device
     tensor keeps it CUDA-graph safe). `workspace` (SplitKWorkspace) is needed for graph capture
     when the chosen config splits K; without it a zeroed one is allocated per call.
+    `kernel`: "gemv" (CUDA cores, nvfp4_gemv.py), "mma" (tensor cores, below) or None: GEMV up
+    to the row count that tiles.json's "nvfp4_gemv" table covers, MMA above it.
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with unit stride along K, got {tuple(x.shape)}")
@@ -546,6 +551,17 @@ def nvfp4_gemm(
         raise ValueError(f"out must be [{m}, {n}] with unit stride, got {tuple(out.shape)}")
     if m == 0:
         return out
+    dec = default_decode(x.device) if decode is None else decode
+    gs = _as_scalar_tensor(global_scale, x.device)
+    if kernel is None:
+        kernel = "gemv" if m <= max_rows("nvfp4_gemv", f"{n}x{k}") else "mma"
+    if kernel == "gemv":
+        from moeserve.kernels.nvfp4_gemv import nvfp4_gemv
+
+        cfg = config or tile_config("nvfp4_gemv", m, f"{n}x{k}")
+        return nvfp4_gemv(x, packed, scale, gs, out, workspace, cfg, dec)
+    if kernel != "mma":
+        raise ValueError(f"unknown NVFP4 kernel {kernel!r}")
     cfg = config or tile_config("nvfp4_gemm", m, f"{n}x{k}")
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid_n, grid_m = triton.cdiv(n, bn), triton.cdiv(m, bm)
@@ -561,7 +577,6 @@ def nvfp4_gemm(
         ws, locks = workspace.partial, workspace.locks
     else:
         ws, locks = out, out  # unused
-    gs = _as_scalar_tensor(global_scale, x.device)
     _nvfp4_gemm_kernel[(grid_n, split, grid_m)](
         x,
         packed.view(torch.int32),
@@ -580,7 +595,7 @@ def nvfp4_gemm(
         BLOCK_K=bk,
         SPLIT_K=split,
         K_ITERS=k_iters,
-        DECODE=default_decode(x.device) if decode is None else decode,
+        DECODE=dec,
         DOT_F32=interpreting(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

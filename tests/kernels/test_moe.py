@@ -80,15 +80,25 @@ GU = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2)
 DN = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
 
 
+def _gemv(mp):
+    return dict(MP=mp, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+
+
 @pytest.mark.parametrize(
-    "m,k,cfgs,decode",
+    "m,k,cfgs,decode,kernel",
     [
-        (1, 3, (GU, DN), DECODE_BITS),
-        (5, 3, (None, None), DECODE_ARITH),
-        (40, 2, (GU, DN), DECODE_BITS),  # experts with more than BLOCK_M slots
+        (1, 3, (GU, DN), DECODE_BITS, "mma"),
+        (5, 3, (None, None), DECODE_ARITH, "mma"),
+        (40, 2, (GU, DN), DECODE_BITS, "mma"),  # experts with more than BLOCK_M slots
+        (1, 3, (_gemv(1), None), DECODE_BITS, "gemv"),
+        (5, 3, (None, None), DECODE_ARITH, "gemv"),  # tiles.json's decode config
+        (9, 4, (_gemv(2), None), DECODE_BITS, "gemv"),
+        (40, 2, (_gemv(4), None), DECODE_BITS, "gemv"),  # experts with many blocks
     ],
 )
-def test_fused_matches_reference(weights, m, k, cfgs, decode):
+def test_fused_matches_reference(weights, m, k, cfgs, decode, kernel):
+    # "gemv" is the CUDA-core decode path, "mma" the tensor-core one; H = 48 is not a multiple
+    # of BLOCK_K, so the last K tile of gate_up is partly masked.
     e, h, i, (w13, s13, g13), (w2, s2, g2) = weights
     ids, tw = _route(m, e, k, 100 + m)
     x = torch.randn(m, h).to(torch.bfloat16)
@@ -108,6 +118,7 @@ def test_fused_matches_reference(weights, m, k, cfgs, decode):
         gate_up_config=cfgs[0],
         down_config=cfgs[1],
         decode=decode,
+        kernel=kernel,
     )
     assert y.data_ptr() == out.data_ptr()
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())

@@ -159,7 +159,7 @@ SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_sta
 @pytest.mark.parametrize(
     "m,n,k,cfg",
     [
-        (1, 40, 96, None),  # default decode config, N and K not tile multiples, split-K auto
+        (1, 40, 96, None),  # tiles.json config, N and K not tile multiples, split-K auto
         (
             3,
             70,
@@ -175,8 +175,41 @@ def test_triton_gemm_matches_reference(m, n, k, cfg, decode):
     # DECODE_BITS runs the packed-word bit moves of the GPU decode (minus the PTX) and the
     # code-order permutation; DECODE_ARITH decodes each element independently.
     x, packed, scale, gs = _case(m, n, k)
-    y = nv.nvfp4_gemm(x, packed, scale, gs, config=cfg, decode=decode)
+    y = nv.nvfp4_gemm(x, packed, scale, gs, config=cfg, decode=decode, kernel="mma")
     _assert_matches_ref(y, x, packed, scale, gs)
+
+
+GEMV = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=0, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize(
+    "m,n,k,cfg",
+    [
+        (1, 40, 96, None),  # tiles.json config; K shorter than one tile
+        (2, 64, 512, GEMV),  # 2 rows per program, split-K auto
+        (3, 70, 160, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),  # ragged N, K, last split
+        (4, 33, 528, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=3)),  # 33 groups of 16
+        (7, 24, 256, dict(GEMV, SPLIT_K=1)),  # 4 rows per program, second block half empty
+    ],
+)
+@pytest.mark.parametrize("decode", [nv.DECODE_ARITH, nv.DECODE_BITS])
+def test_gemv_matches_reference(m, n, k, cfg, decode):
+    # The CUDA-core path: natural-order decode, 16-element group sums, 1/2/4 rows per program.
+    x, packed, scale, gs = _case(m, n, k, seed=m)
+    y = nv.nvfp4_gemm(x, packed, scale, gs, config=cfg, decode=decode, kernel="gemv")
+    _assert_matches_ref(y, x, packed, scale, gs)
+
+
+def test_gemv_is_the_default_for_one_row(monkeypatch):
+    from moeserve.kernels import nvfp4_gemv
+
+    calls = []
+    monkeypatch.setattr(nvfp4_gemv, "nvfp4_gemv", lambda *a: calls.append(a) or a[4])
+    x, packed, scale, gs = _case(1, 16, 32)
+    nv.nvfp4_gemm(x, packed, scale, gs)
+    assert len(calls) == 1
+    nv.nvfp4_gemm(torch.cat([x] * 16), packed, scale, gs)  # 16 rows: tensor-core path
+    assert len(calls) == 1
 
 
 def test_splitk_workspace_left_zero_and_reusable():
@@ -215,7 +248,9 @@ def test_probe_case_is_exact(decode):
     x, packed, scale, gs = nv._probe_case(torch.device("cpu"))
     cfg = dict(SMALL, BLOCK_N=64, BLOCK_K=128)
     ref = nv.nvfp4_gemm_ref(x, packed, scale, gs)
-    assert torch.equal(nv.nvfp4_gemm(x, packed, scale, gs, config=cfg, decode=decode), ref)
+    y = nv.nvfp4_gemm(x, packed, scale, gs, config=cfg, decode=decode, kernel="mma")
+    assert torch.equal(y, ref)
+    assert torch.equal(nv.nvfp4_gemm(x, packed, scale, gs, decode=decode, kernel="gemv"), ref)
     cols = x.float().argmax(1)
     assert set((cols % 8).tolist()) == set(range(8))
     assert set(nv.unpack_e2m1_codes(packed)[:, cols].flatten().tolist()) == set(range(16))

@@ -34,3 +34,9 @@ def tile_config(kernel: str, m: int, shape_key: str) -> dict[str, int]:
         if m <= entry["max_m"]:
             return {k: v for k, v in entry.items() if k != "max_m"}
     return {k: v for k, v in entries[-1].items() if k != "max_m"}
+
+
+def max_rows(kernel: str, shape_key: str) -> int:
+    """The largest row count that `kernel`'s table covers for this shape (its last max_m)."""
+    table = TILE_CONFIGS[kernel]
+    return max(e["max_m"] for e in table.get(shape_key, table["default"]))

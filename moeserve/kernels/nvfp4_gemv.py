@@ -1,0 +1,373 @@
+"""NVFP4 weight-only product for a few rows (decode): CUDA-core FMAs instead of tensor cores.
+
+At M <= 8 a W4A16 GEMM is a stream of 4-bit weights with almost no arithmetic per byte, and what
+limits it is instruction issue, not the MMA: the tensor-core path (nvfp4_gemm.py) must decode
+E2M1 to bf16 and move the tile through shared memory into the MMA operand layout, ~5.6
+instructions per weight element. Here nothing leaves the registers: each 32-bit word of 8 codes
+is decoded by 15 integer instructions into 8 fp32 values, each then costs one FMA per row of x.
+The block scale multiplies a 16-element partial sum (1/16 of an FMA per element).
+
+Decode (Marlin-style on words): for codes (n_j, n_{j+4}) of word q, `x = q << (12-4j)` puts both
+signs at bits 15/31 and `t = (q << (9-4j)) & 0x0E000E00` puts (e1 e0 m) at bits 11..9 / 27..25;
+`x & 0x80008000 | t` read as f16x2 is the two E2M1 values times 2^-14 (e=0 lands on an f16
+subnormal, which f16 -> f32 conversion keeps exactly). The 2^14 is folded into the global scale.
+
+Layouts are nvfp4_gemm.py's (ModelOpt): packed uint8 [N, K/2] viewed as int32 [N, K/8], scales
+e4m3 [N, K/16], one fp32 global scale; K a multiple of 16 (tiles past K load as zeros).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.kernels.nvfp4_gemm import (
+    DECODE_ARITH,
+    DECODE_ASM,
+    DECODE_BITS,
+    NVFP4_BLOCK,
+    SplitKWorkspace,
+    choose_split_k,
+    interpreting,
+    nvfp4_gemm_ref,
+)
+
+GEMV_F16_EXP = tl.constexpr(14)  # decoded f16 values are E2M1 * 2^-14
+
+# $0..$7: fp32 values of nibbles 0..7 of word $8 (times 2^-14).
+_E2M1_F32_ASM = tl.constexpr(
+    """
+{
+.reg .b32 x, t, r;
+.reg .b16 lo, hi;
+shl.b32 x, $8, 12;
+shl.b32 t, $8, 9;
+and.b32 t, t, 0x0E000E00;
+lop3.b32 r, x, 0x80008000, t, 0xEA;
+mov.b32 {lo, hi}, r;
+cvt.f32.f16 $0, lo;
+cvt.f32.f16 $4, hi;
+shl.b32 x, $8, 8;
+shl.b32 t, $8, 5;
+and.b32 t, t, 0x0E000E00;
+lop3.b32 r, x, 0x80008000, t, 0xEA;
+mov.b32 {lo, hi}, r;
+cvt.f32.f16 $1, lo;
+cvt.f32.f16 $5, hi;
+shl.b32 x, $8, 4;
+shl.b32 t, $8, 1;
+and.b32 t, t, 0x0E000E00;
+lop3.b32 r, x, 0x80008000, t, 0xEA;
+mov.b32 {lo, hi}, r;
+cvt.f32.f16 $2, lo;
+cvt.f32.f16 $6, hi;
+shr.u32 t, $8, 3;
+and.b32 t, t, 0x0E000E00;
+lop3.b32 r, $8, 0x80008000, t, 0xEA;
+mov.b32 {lo, hi}, r;
+cvt.f32.f16 $3, lo;
+cvt.f32.f16 $7, hi;
+}
+"""
+)
+
+
+@triton.jit
+def _nibble_f32(q, j: tl.constexpr):
+    """Plain-Triton decode of nibble j of words q (the interpreter's path): fp32 value*2^-14."""
+    c = (q >> (4 * j)) & 15
+    h = ((c & 8) << 12) | ((c & 7) << 9)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _nibble_arith(q, j: tl.constexpr):
+    """Per-element arithmetic decode (no bit reinterpretation): fp32 value*2^-14."""
+    c = (q >> (4 * j)) & 15
+    idx = c & 7
+    e = idx >> 1
+    m = (idx & 1).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.5, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * m))
+    return tl.where((c & 8) != 0, -mag, mag) * (2.0**-GEMV_F16_EXP)
+
+
+@triton.jit
+def _decode_words(q, R: tl.constexpr, BW: tl.constexpr, DECODE: tl.constexpr):
+    """int32 words [R, BW] -> fp32 [R, 8*BW] (value * 2^-14), column 8*w + j = nibble j of word w.
+
+    Each join adds a new lowest index bit, so joining on nibble bit 2 first, then bit 1, then
+    bit 0 leaves the natural K order; joins of values held by one thread stay in registers."""
+    if DECODE == 1:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _E2M1_F32_ASM,
+            "=f,=f,=f,=f,=f,=f,=f,=f,r",
+            [q],
+            dtype=(tl.float32,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    elif DECODE == 2:
+        v0 = _nibble_f32(q, 0)
+        v1 = _nibble_f32(q, 1)
+        v2 = _nibble_f32(q, 2)
+        v3 = _nibble_f32(q, 3)
+        v4 = _nibble_f32(q, 4)
+        v5 = _nibble_f32(q, 5)
+        v6 = _nibble_f32(q, 6)
+        v7 = _nibble_f32(q, 7)
+    else:
+        v0 = _nibble_arith(q, 0)
+        v1 = _nibble_arith(q, 1)
+        v2 = _nibble_arith(q, 2)
+        v3 = _nibble_arith(q, 3)
+        v4 = _nibble_arith(q, 4)
+        v5 = _nibble_arith(q, 5)
+        v6 = _nibble_arith(q, 6)
+        v7 = _nibble_arith(q, 7)
+    a0 = tl.reshape(tl.join(v0, v4), (R, 2 * BW))
+    a1 = tl.reshape(tl.join(v2, v6), (R, 2 * BW))
+    a2 = tl.reshape(tl.join(v1, v5), (R, 2 * BW))
+    a3 = tl.reshape(tl.join(v3, v7), (R, 2 * BW))
+    c0 = tl.reshape(tl.join(a0, a1), (R, 4 * BW))
+    c1 = tl.reshape(tl.join(a2, a3), (R, 4 * BW))
+    return tl.reshape(tl.join(c0, c1), (R, 8 * BW))
+
+
+@triton.jit
+def _load_words(w_rows, s_rows, n_mask, kw0, KW, BW: tl.constexpr):
+    """Words [R, BW] from word column kw0 and the raw e4m3 block scales [R, BW/2]; masked
+    words and scales load as 0."""
+    offs_w = kw0 + tl.arange(0, BW)
+    q = tl.load(w_rows + offs_w[None, :], mask=n_mask & (offs_w[None, :] < KW), other=0)
+    offs_g = kw0 // 2 + tl.arange(0, BW // 2)
+    s = tl.load(s_rows + offs_g[None, :], mask=n_mask & (offs_g[None, :] < KW // 2), other=0)
+    return q, s
+
+
+@triton.jit
+def _group_dot(w, s, x_row, R: tl.constexpr, BW: tl.constexpr):
+    """Per 16-element block: sum(w * x) * scale -> [R, BW/2] fp32."""
+    p = tl.reshape(w * x_row[None, :], (R, BW // 2, 16))
+    return tl.sum(p, axis=2) * s
+
+
+@triton.jit
+def _load_x(x_row, row_ok, kw0, K, BW: tl.constexpr):
+    offs = kw0 * 8 + tl.arange(0, 8 * BW)
+    return tl.load(x_row + offs, mask=row_ok & (offs < K), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def gemv_accumulate(
+    x_row0,
+    x_row1,
+    x_row2,
+    x_row3,
+    ok0,
+    ok1,
+    ok2,
+    ok3,
+    w_rows,
+    s_rows,
+    n_mask,
+    kw_begin,
+    KW,
+    K,
+    R: tl.constexpr,
+    BW: tl.constexpr,
+    MP: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    """Partial dot products of R weight rows (pointers w_rows / s_rows [R, 1]) with up to 4 x
+    rows (row pointers x_row0..3, used while ok0..3) over K_ITERS tiles of BW words from word
+    column kw_begin. Returns four [R, BW/2] fp32 accumulators (x 2^-14; rows past MP stay 0).
+    The next tile's words are loaded before this tile is decoded, so two tiles per program are
+    in flight without a trip through shared memory."""
+    acc0 = tl.zeros((R, BW // 2), dtype=tl.float32)
+    acc1 = tl.zeros((R, BW // 2), dtype=tl.float32)
+    acc2 = tl.zeros((R, BW // 2), dtype=tl.float32)
+    acc3 = tl.zeros((R, BW // 2), dtype=tl.float32)
+    kw0 = kw_begin
+    q, s8 = _load_words(w_rows, s_rows, n_mask, kw0, KW, BW)
+    for _ in range(K_ITERS):
+        q_next, s8_next = _load_words(w_rows, s_rows, n_mask, kw0 + BW, KW, BW)
+        w = _decode_words(q, R, BW, DECODE)
+        s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        acc0 += _group_dot(w, s, _load_x(x_row0, ok0, kw0, K, BW), R, BW)
+        if MP > 1:
+            acc1 += _group_dot(w, s, _load_x(x_row1, ok1, kw0, K, BW), R, BW)
+        if MP > 2:
+            acc2 += _group_dot(w, s, _load_x(x_row2, ok2, kw0, K, BW), R, BW)
+            acc3 += _group_dot(w, s, _load_x(x_row3, ok3, kw0, K, BW), R, BW)
+        q, s8 = q_next, s8_next
+        kw0 += BW
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _finish_row(acc, scale, out_ptrs, ws_ptrs, mask, SPLIT_K: tl.constexpr):
+    """Row total acc [R, BW/2] * scale -> out (SPLIT_K == 1) or added into the fp32 workspace."""
+    v = tl.sum(acc, axis=1) * scale
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, v.to(out_ptrs.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(ws_ptrs, v, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _copy_out_row(out_ptrs, ws_ptrs, mask):
+    total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+    tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
+
+
+@triton.jit
+def _nvfp4_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    out_ptr,
+    ws_ptr,
+    lock_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    MP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    """out [M, N] = x [M, K] @ W^T for MP rows of x per program.
+    Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, MP)). With SPLIT_K > 1 the partial sums meet in
+    the zeroed fp32 workspace; the last program of a tile writes out and re-zeroes it."""
+    BW: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row0 = tl.program_id(2) * MP
+    KW = K // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * KW
+    s_rows = s_ptr + offs_n[:, None].to(tl.int64) * (KW // 2)
+    x0 = x_ptr + row0.to(tl.int64) * stride_xm
+    acc0, acc1, acc2, acc3 = gemv_accumulate(
+        x0,
+        x0 + stride_xm,
+        x0 + 2 * stride_xm,
+        x0 + 3 * stride_xm,
+        row0 < M,
+        row0 + 1 < M,
+        row0 + 2 < M,
+        row0 + 3 < M,
+        w_rows,
+        s_rows,
+        n_ok[:, None],
+        pid_k * K_ITERS * BW,
+        KW,
+        K,
+        BLOCK_N,
+        BW,
+        MP,
+        K_ITERS,
+        DECODE,
+    )
+    scale = tl.load(gs_ptr) * (2.0**GEMV_F16_EXP)
+    o = out_ptr + row0.to(tl.int64) * stride_om + offs_n
+    ws = ws_ptr + row0.to(tl.int64) * N + offs_n
+    _finish_row(acc0, scale, o, ws, n_ok & (row0 < M), SPLIT_K)
+    if MP > 1:
+        _finish_row(acc1, scale, o + stride_om, ws + N, n_ok & (row0 + 1 < M), SPLIT_K)
+    if MP > 2:
+        _finish_row(acc2, scale, o + 2 * stride_om, ws + 2 * N, n_ok & (row0 + 2 < M), SPLIT_K)
+        _finish_row(acc3, scale, o + 3 * stride_om, ws + 3 * N, n_ok & (row0 + 3 < M), SPLIT_K)
+    if SPLIT_K > 1:
+        tl.debug_barrier()
+        lock = lock_ptr + tl.program_id(2) * tl.num_programs(0) + pid_n
+        if tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT_K - 1:
+            _copy_out_row(o, ws, n_ok & (row0 < M))
+            if MP > 1:
+                _copy_out_row(o + stride_om, ws + N, n_ok & (row0 + 1 < M))
+            if MP > 2:
+                _copy_out_row(o + 2 * stride_om, ws + 2 * N, n_ok & (row0 + 2 < M))
+                _copy_out_row(o + 3 * stride_om, ws + 3 * N, n_ok & (row0 + 3 < M))
+            tl.atomic_xchg(lock, 0)
+
+
+GEMV_MAX_M = 4  # rows per program at most (one weight pass serves up to 4 rows)
+
+
+def gemv_rows_per_program(m: int) -> int:
+    return 1 if m == 1 else 2 if m == 2 else GEMV_MAX_M
+
+
+def nvfp4_gemv(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    out: torch.Tensor,
+    workspace: SplitKWorkspace | None,
+    config: dict[str, int],
+    decode: int,
+) -> torch.Tensor:
+    """out [M, N] = x [M, K] @ dequant(W)^T on CUDA cores; arguments checked by nvfp4_gemm."""
+    m, k = x.shape
+    n = packed.shape[0]
+    cfg = config
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    mp = gemv_rows_per_program(m)
+    grid_n, grid_m = triton.cdiv(n, bn), triton.cdiv(m, mp)
+    k_tiles = triton.cdiv(k, bk)
+    split = choose_split_k(cfg["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
+    k_iters = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, k_iters)
+    if split > 1:
+        if workspace is None:
+            workspace = SplitKWorkspace.create(grid_m * mp * n, grid_n * grid_m, x.device)
+        if workspace.partial.numel() < grid_m * mp * n or workspace.locks.numel() < grid_n * grid_m:
+            raise ValueError("split-K workspace too small for this GEMV")
+        ws, locks = workspace.partial, workspace.locks
+    else:
+        ws, locks = out, out  # unused
+    _nvfp4_gemv_kernel[(grid_n, split, grid_m)](
+        x,
+        packed.view(torch.int32),
+        scale.view(torch.uint8),
+        global_scale,
+        out,
+        ws,
+        locks,
+        m,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        MP=mp,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SPLIT_K=split,
+        K_ITERS=k_iters,
+        DECODE=decode,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+__all__ = [
+    "DECODE_ARITH",
+    "DECODE_ASM",
+    "DECODE_BITS",
+    "GEMV_MAX_M",
+    "NVFP4_BLOCK",
+    "interpreting",
+    "nvfp4_gemm_ref",
+    "nvfp4_gemv",
+]
