@@ -40,10 +40,10 @@ GEMM_SHAPES = {  # name -> (N, K), Kimi-K2.5
 }
 GEMM_MS = (1, 2, 4, 8, 16, 64)
 GEMV_MAX_BENCH_M = 8  # the CUDA-core GEMV is timed up to here, the tensor-core path everywhere
-PREFILL_M = 2048  # large-M path, timed on the first shape only (compile time is scarce)
+PREFILL_M = 2048  # a prefill chunk
 MOE = {"E": 384, "H": 7168, "I": 2048, "topk": 8}
 MOE_MS = (1, 16, 64)
-TABLE = {"gemv": "nvfp4_gemv", "mma": "nvfp4_gemm"}
+TABLE = {"gemv": "nvfp4_gemv", "mma": "nvfp4_gemm", "dequant": "nvfp4_dequant"}
 DECODE_ORDER = (nv.DECODE_ASM, nv.DECODE_BITS, nv.DECODE_ARITH)  # first that passes is used
 
 
@@ -210,18 +210,19 @@ def correctness(dev: str, results: list, smoke: bool = False) -> dict[str, bool]
 def sweep_configs(m: int, kernel: str) -> list[dict | None]:
     """Candidate tiles (None = the shipped table's choice); only M=1 is swept, because every
     candidate is a fresh compile on a fresh machine and device time is scarce."""
-    if m != 1:
+    if m != 1 or kernel == "dequant":
         return [None]
     if kernel == "gemv":
         return [None] + [
-            dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=1)
-            for bn, bk, sk, w in (
-                (16, 512, 0, 4),
-                (64, 256, 0, 4),
-                (32, 256, 0, 8),
-                (32, 512, 0, 8),
-                (32, 256, 1, 4),
-                (16, 256, 0, 2),
+            dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=1, PREFETCH=pf)
+            for bn, bk, sk, w, pf in (
+                (32, 256, 0, 4, 2),
+                (16, 256, 0, 4, 2),
+                (16, 256, 0, 2, 2),
+                (16, 512, 0, 4, 2),
+                (32, 256, 1, 4, 2),
+                (32, 256, 2, 4, 2),
+                (16, 256, 0, 2, 1),
             )
         ]
     return [None] + [
@@ -247,13 +248,16 @@ def bench_nvfp4(
         ws = rand_nvfp4(n, k, copies, dev)
         peer_copies = n_copies(2 * n * k)
         wbf = [nv.dequantize_nvfp4(*ws[j % copies]) for j in range(peer_copies)]
-        ms = GEMM_MS + ((PREFILL_M,) if name == next(iter(GEMM_SHAPES)) and dev == "cuda" else ())
+        ms = GEMM_MS + ((PREFILL_M,) if dev == "cuda" else ())
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             outs = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             calls = 100 if m <= 64 else 20
             workspace = nv.SplitKWorkspace.create(m * n, 4096, dev)
-            for kernel in ("gemv", "mma") if m <= GEMV_MAX_BENCH_M else ("mma",):
+            kernels = ("gemv",) if m <= GEMV_MAX_BENCH_M else ()
+            kernels += ("mma",) if m <= 64 else ()
+            kernels += ("dequant",) if m >= 16 else ()
+            for kernel in kernels:
                 bench_one(
                     name,
                     n,
@@ -453,15 +457,24 @@ def moe_candidates(m: int, sweep: bool) -> list[tuple[str, dict | None, dict | N
     cands: list[tuple[str, dict | None, dict | None]] = [("gemv", None, None), ("mma", None, None)]
     if not sweep:
         return cands
-    mps = (1,) if m == 1 else (1, 2, 4)
+    mps = (1,) if m <= 16 else (1, 2)
     for mp in mps:
-        for bn, bk, w, dbn in (
-            (16, 256, 4, 32),
-            (32, 256, 4, 32),
-            (16, 512, 4, 16),
-            (32, 256, 4, 64),
+        for bn, bk, w, dbn, pf in (
+            (16, 256, 4, 32, 2),
+            (32, 256, 4, 32, 2),
+            (16, 256, 2, 16, 2),
+            (8, 256, 2, 32, 2),
+            (16, 256, 4, 32, 1),
         ):
-            cfg = dict(MP=mp, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=1, DOWN_BLOCK_N=dbn)
+            cfg = dict(
+                MP=mp,
+                BLOCK_N=bn,
+                BLOCK_K=bk,
+                num_warps=w,
+                num_stages=1,
+                DOWN_BLOCK_N=dbn,
+                PREFETCH=pf,
+            )
             cands.append(("gemv", cfg, None))
     return cands
 

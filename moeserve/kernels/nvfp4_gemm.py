@@ -404,7 +404,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-from moeserve.kernels.configs import max_rows, tile_config  # noqa: E402
+from moeserve.kernels.configs import max_rows, min_rows, tile_config  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -523,8 +523,9 @@ def nvfp4_gemm(
     packed uint8 [N, K/2], scale float8_e4m3fn [N, K/16], global_scale fp32 scalar (a device
     tensor keeps it CUDA-graph safe). `workspace` (SplitKWorkspace) is needed for graph capture
     when the chosen config splits K; without it a zeroed one is allocated per call.
-    `kernel`: "gemv" (CUDA cores, nvfp4_gemv.py), "mma" (tensor cores, below) or None: GEMV up
-    to the row count that tiles.json's "nvfp4_gemv" table covers, MMA above it.
+    `kernel`: "gemv" (CUDA cores, nvfp4_gemv.py), "mma" (tensor cores, below), "dequant" (bf16
+    weight chunks + cuBLAS) or None: GEMV up to the row count that tiles.json's "nvfp4_gemv"
+    table covers, dequant from its "nvfp4_dequant" min_m, MMA between.
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with unit stride along K, got {tuple(x.shape)}")
@@ -553,13 +554,19 @@ def nvfp4_gemm(
         return out
     dec = default_decode(x.device) if decode is None else decode
     gs = _as_scalar_tensor(global_scale, x.device)
+    key = f"{n}x{k}"
     if kernel is None:
-        kernel = "gemv" if m <= max_rows("nvfp4_gemv", f"{n}x{k}") else "mma"
-    if kernel == "gemv":
-        from moeserve.kernels.nvfp4_gemv import nvfp4_gemv
+        kernel = "gemv" if m <= max_rows("nvfp4_gemv", key) else "mma"
+        if m >= min_rows("nvfp4_dequant", key):
+            kernel = "dequant"
+    if kernel in ("gemv", "dequant"):
+        from moeserve.kernels.nvfp4_gemv import nvfp4_dequant_matmul, nvfp4_gemv
 
-        cfg = config or tile_config("nvfp4_gemv", m, f"{n}x{k}")
-        return nvfp4_gemv(x, packed, scale, gs, out, workspace, cfg, dec)
+        if kernel == "gemv":
+            cfg = config or tile_config("nvfp4_gemv", m, key)
+            return nvfp4_gemv(x, packed, scale, gs, out, workspace, cfg, dec)
+        cfg = config or tile_config("nvfp4_dequant", m, key)
+        return nvfp4_dequant_matmul(x, packed, scale, gs, out, cfg, dec)
     if kernel != "mma":
         raise ValueError(f"unknown NVFP4 kernel {kernel!r}")
     cfg = config or tile_config("nvfp4_gemm", m, f"{n}x{k}")

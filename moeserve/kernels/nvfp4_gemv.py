@@ -1,4 +1,5 @@
-"""NVFP4 weight-only product for a few rows (decode): CUDA-core FMAs instead of tensor cores.
+"""NVFP4 weight-only products without the fused tensor-core kernel: a CUDA-core GEMV for a few
+rows (decode), and dequantize-then-cuBLAS for many rows (prefill).
 
 At M <= 8 a W4A16 GEMM is a stream of 4-bit weights with almost no arithmetic per byte, and what
 limits it is instruction issue, not the MMA: the tensor-core path (nvfp4_gemm.py) must decode
@@ -93,11 +94,8 @@ def _nibble_arith(q, j: tl.constexpr):
 
 
 @triton.jit
-def _decode_words(q, R: tl.constexpr, BW: tl.constexpr, DECODE: tl.constexpr):
-    """int32 words [R, BW] -> fp32 [R, 8*BW] (value * 2^-14), column 8*w + j = nibble j of word w.
-
-    Each join adds a new lowest index bit, so joining on nibble bit 2 first, then bit 1, then
-    bit 0 leaves the natural K order; joins of values held by one thread stay in registers."""
+def _decode_nibbles(q, DECODE: tl.constexpr):
+    """int32 words -> 8 fp32 tensors of q's shape: nibble j of each word (value * 2^-14)."""
     if DECODE == 1:
         v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
             _E2M1_F32_ASM,
@@ -125,6 +123,16 @@ def _decode_words(q, R: tl.constexpr, BW: tl.constexpr, DECODE: tl.constexpr):
         v5 = _nibble_arith(q, 5)
         v6 = _nibble_arith(q, 6)
         v7 = _nibble_arith(q, 7)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _decode_words(q, R: tl.constexpr, BW: tl.constexpr, DECODE: tl.constexpr):
+    """int32 words [R, BW] -> fp32 [R, 8*BW] (value * 2^-14), column 8*w + j = nibble j of word w.
+
+    Each join adds a new lowest index bit, so joining on nibble bit 2 first, then bit 1, then
+    bit 0 leaves the natural K order; joins of values held by one thread stay in registers."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _decode_nibbles(q, DECODE)
     a0 = tl.reshape(tl.join(v0, v4), (R, 2 * BW))
     a1 = tl.reshape(tl.join(v2, v6), (R, 2 * BW))
     a2 = tl.reshape(tl.join(v1, v5), (R, 2 * BW))
@@ -179,20 +187,23 @@ def gemv_accumulate(
     MP: tl.constexpr,
     K_ITERS: tl.constexpr,
     DECODE: tl.constexpr,
+    PREFETCH: tl.constexpr = 1,
 ):
     """Partial dot products of R weight rows (pointers w_rows / s_rows [R, 1]) with up to 4 x
     rows (row pointers x_row0..3, used while ok0..3) over K_ITERS tiles of BW words from word
     column kw_begin. Returns four [R, BW/2] fp32 accumulators (x 2^-14; rows past MP stay 0).
-    The next tile's words are loaded before this tile is decoded, so two tiles per program are
-    in flight without a trip through shared memory."""
+    Tiles are loaded PREFETCH tiles ahead of the one being decoded (into registers: no trip
+    through shared memory), so that many bytes per SM are in flight while it computes."""
     acc0 = tl.zeros((R, BW // 2), dtype=tl.float32)
     acc1 = tl.zeros((R, BW // 2), dtype=tl.float32)
     acc2 = tl.zeros((R, BW // 2), dtype=tl.float32)
     acc3 = tl.zeros((R, BW // 2), dtype=tl.float32)
     kw0 = kw_begin
     q, s8 = _load_words(w_rows, s_rows, n_mask, kw0, KW, BW)
+    q1, s81 = _load_words(w_rows, s_rows, n_mask, kw0 + BW, KW, BW)
     for _ in range(K_ITERS):
-        q_next, s8_next = _load_words(w_rows, s_rows, n_mask, kw0 + BW, KW, BW)
+        if PREFETCH == 2:
+            q2, s82 = _load_words(w_rows, s_rows, n_mask, kw0 + 2 * BW, KW, BW)
         w = _decode_words(q, R, BW, DECODE)
         s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         acc0 += _group_dot(w, s, _load_x(x_row0, ok0, kw0, K, BW), R, BW)
@@ -201,7 +212,11 @@ def gemv_accumulate(
         if MP > 2:
             acc2 += _group_dot(w, s, _load_x(x_row2, ok2, kw0, K, BW), R, BW)
             acc3 += _group_dot(w, s, _load_x(x_row3, ok3, kw0, K, BW), R, BW)
-        q, s8 = q_next, s8_next
+        if PREFETCH == 2:
+            q, s8, q1, s81 = q1, s81, q2, s82
+        else:
+            q, s8 = q1, s81
+            q1, s81 = _load_words(w_rows, s_rows, n_mask, kw0 + 2 * BW, KW, BW)
         kw0 += BW
     return acc0, acc1, acc2, acc3
 
@@ -243,6 +258,7 @@ def _nvfp4_gemv_kernel(
     SPLIT_K: tl.constexpr,
     K_ITERS: tl.constexpr,
     DECODE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """out [M, N] = x [M, K] @ W^T for MP rows of x per program.
     Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, MP)). With SPLIT_K > 1 the partial sums meet in
@@ -277,6 +293,7 @@ def _nvfp4_gemv_kernel(
         MP,
         K_ITERS,
         DECODE,
+        PREFETCH,
     )
     scale = tl.load(gs_ptr) * (2.0**GEMV_F16_EXP)
     o = out_ptr + row0.to(tl.int64) * stride_om + offs_n
@@ -298,6 +315,81 @@ def _nvfp4_gemv_kernel(
                 _copy_out_row(o + 2 * stride_om, ws + 2 * N, n_ok & (row0 + 2 < M))
                 _copy_out_row(o + 3 * stride_om, ws + 3 * N, n_ok & (row0 + 3 < M))
             tl.atomic_xchg(lock, 0)
+
+
+@triton.jit
+def _nvfp4_dequant_kernel(
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    out_ptr,
+    N,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    """out [N, K] bf16 = dequantized weight rows of tile pid(0), K tile pid(1)."""
+    BW: tl.constexpr = BLOCK_K // 8
+    KW = K // 8
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n[:, None] < N
+    kw0 = tl.program_id(1) * BW
+    q, s8 = _load_words(
+        w_ptr + offs_n[:, None].to(tl.int64) * KW,
+        s_ptr + offs_n[:, None].to(tl.int64) * (KW // 2),
+        n_ok,
+        kw0,
+        KW,
+        BW,
+    )
+    scale = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (
+        tl.load(gs_ptr) * (2.0**GEMV_F16_EXP)
+    )
+    w = tl.reshape(_decode_words(q, BLOCK_N, BW, DECODE), (BLOCK_N, BW // 2, 16))
+    w = tl.reshape(w * scale[:, :, None], (BLOCK_N, 8 * BW))
+    offs_k = kw0 * 8 + tl.arange(0, 8 * BW)
+    ptrs = out_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=n_ok & (offs_k[None, :] < K))
+
+
+DEQUANT_CHUNK_ELEMS = 1 << 25  # bf16 weight rows materialised per matmul (64 MiB)
+
+
+def nvfp4_dequant_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    out: torch.Tensor,
+    config: dict[str, int],
+    decode: int,
+) -> torch.Tensor:
+    """Many rows (prefill): dequantize W to bf16 in chunks of rows and let cuBLAS multiply.
+    At large M the product is compute-bound and cuBLAS's tensor-core GEMM beats a fused
+    dequantizing kernel; the dequantization itself costs one read of W and one bf16 write."""
+    m, k = x.shape
+    n = packed.shape[0]
+    bn, bk = config["BLOCK_N"], config["BLOCK_K"]
+    rows = max(bn, min(n, DEQUANT_CHUNK_ELEMS // k) // bn * bn)
+    buf = torch.empty(min(rows, n), k, dtype=x.dtype, device=x.device)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        w = buf[: r1 - r0]
+        _nvfp4_dequant_kernel[(triton.cdiv(r1 - r0, bn), triton.cdiv(k, bk))](
+            packed[r0:r1].view(torch.int32),
+            scale[r0:r1].view(torch.uint8),
+            global_scale,
+            w,
+            r1 - r0,
+            k,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            DECODE=decode,
+            num_warps=config["num_warps"],
+        )
+        torch.matmul(x, w.t(), out=out[:, r0:r1])
+    return out
 
 
 GEMV_MAX_M = 4  # rows per program at most (one weight pass serves up to 4 rows)
@@ -355,6 +447,7 @@ def nvfp4_gemv(
         SPLIT_K=split,
         K_ITERS=k_iters,
         DECODE=decode,
+        PREFETCH=cfg.get("PREFETCH", 1),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

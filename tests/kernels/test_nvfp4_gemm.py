@@ -255,3 +255,15 @@ def test_probe_case_is_exact(decode):
     assert set((cols % 8).tolist()) == set(range(8))
     assert set(nv.unpack_e2m1_codes(packed)[:, cols].flatten().tolist()) == set(range(16))
     assert nv.default_decode(torch.device("cpu")) == nv.DECODE_ARITH
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 40, 96), (50, 70, 528)])
+def test_dequant_matmul_matches_reference(m, n, k, monkeypatch):
+    # The prefill path: bf16 weight chunks (forced small, so several chunks run) + a matmul.
+    from moeserve.kernels import nvfp4_gemv
+
+    monkeypatch.setattr(nvfp4_gemv, "DEQUANT_CHUNK_ELEMS", 32 * k)
+    x, packed, scale, gs = _case(m, n, k, seed=7)
+    cfg = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4)
+    y = nv.nvfp4_gemm(x, packed, scale, gs, config=cfg, decode=nv.DECODE_BITS, kernel="dequant")
+    _assert_matches_ref(y, x, packed, scale, gs)

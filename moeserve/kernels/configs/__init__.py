@@ -40,3 +40,9 @@ def max_rows(kernel: str, shape_key: str) -> int:
     """The largest row count that `kernel`'s table covers for this shape (its last max_m)."""
     table = TILE_CONFIGS[kernel]
     return max(e["max_m"] for e in table.get(shape_key, table["default"]))
+
+
+def min_rows(kernel: str, shape_key: str) -> int:
+    """The smallest row count from which `kernel` is used (its table's min_m)."""
+    table = TILE_CONFIGS[kernel]
+    return min(e["min_m"] for e in table.get(shape_key, table["default"]))
