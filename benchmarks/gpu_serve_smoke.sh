@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine: serve a tiny Kimi-K2.5 NVFP4 checkpoint (published 512+64 MLA layout, so
 # the Triton MLA, fused-MoE and cache kernels run) over HTTP and measure it with moeserve bench.
-# Usage: benchmarks/gpu_serve_smoke.sh OUT_DIR
+# Usage: benchmarks/gpu_serve_smoke.sh OUT_DIR [TAG [SERVE_ARGS...]]
+#   e.g. benchmarks/gpu_serve_smoke.sh out eager --enforce-eager   (files get the TAG suffix)
 set -euo pipefail
 out=${1:?OUT_DIR}
+tag=${2:+_$2}
+shift $(( $# < 2 ? $# : 2 ))
 port=${PORT:-8500}
 base="http://127.0.0.1:$port"
 ckpt=$(mktemp -d)/kimi
@@ -15,9 +18,9 @@ shape = TinyShape(layers=3, experts=16, hidden=256, heads=8, q_lora=64, kv_lora=
 write_checkpoint(sys.argv[1], "kimi-k2.5", "nvfp4-modelopt", shape=shape, seed=1)
 PY
 python3 -m moeserve.cli serve "$ckpt" --port "$port" --max-model-len 2048 \
-  --reasoning-parser kimi_k2 --tool-call-parser kimi_k2 > "$out/gpu_serve.log" 2>&1 &
+  --reasoning-parser kimi_k2 --tool-call-parser kimi_k2 "$@" > "$out/gpu_serve$tag.log" 2>&1 &
 server=$!
-trap 'kill "$server" 2>/dev/null || true' EXIT
+trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true' EXIT
 python3 - "$base" <<'PY'
 import sys, time, httpx
 for _ in range(240):
@@ -32,6 +35,6 @@ r = httpx.post(sys.argv[1] + "/v1/chat/completions", timeout=60, json={
 print(r.status_code, r.json()["usage"], r.json()["choices"][0]["finish_reason"])
 PY
 bench=(python3 -m moeserve.cli bench --base-url "$base" --no-progress)
-"${bench[@]}" --scenario count-to-50 --save-result "$out/gpu_count_to_50.json" | tee "$out/gpu_count_to_50.txt"
+"${bench[@]}" --scenario count-to-50 --save-result "$out/gpu_count_to_50$tag.json" | tee "$out/gpu_count_to_50$tag.txt"
 "${bench[@]}" --sweep concurrency=1,4,16 --input-len 64 --output-len 64 --num-prompts 16 \
-  --ignore-eos --save-result "$out/gpu_sweep.json" | tee "$out/gpu_sweep.txt"
+  --ignore-eos --save-result "$out/gpu_sweep$tag.json" | tee "$out/gpu_sweep$tag.txt"

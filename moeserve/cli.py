@@ -99,6 +99,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=_positive(int), default=None, help="CPU threads for torch")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="GPU: run every step eagerly (no CUDA-graph capture of decode steps)",
+    )
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=_positive(int),
+        default=256,
+        help="GPU: largest decode batch replayed from a CUDA graph (default 256, capped by "
+        "--max-num-seqs); bigger batches run eagerly",
+    )
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -153,6 +165,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         load_format=args.load_format,
         seed=args.seed,
         threads=args.threads,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
 
 
@@ -164,10 +178,11 @@ def _torch_threads() -> int:
 
 def _banner(engine, name: str, seconds: float) -> str:
     e = engine.engine
+    graphs = f"; {e.runner.graph_status}" if e.runner.graph_status else ""
     return (
         f"moeserve: loaded {name}: {e.loaded.description}; dtype {str(e.config.dtype)[6:]} on "
         f"{e.config.device}; KV cache {e.num_pages} pages x {e.config.cache.page_size} tokens "
-        f"({str(e.loaded.kv_cache_dtype)[6:]}); max context {e.max_model_len} tokens; "
+        f"({str(e.loaded.kv_cache_dtype)[6:]}); max context {e.max_model_len} tokens{graphs}; "
         f"{seconds:.1f}s (torch threads {_torch_threads()})"
     )
 

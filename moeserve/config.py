@@ -296,6 +296,17 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int = 0
+    # GPU decode: replay captured CUDA graphs for decode-only batches of up to this many
+    # sequences (capped by scheduler.max_num_seqs); enforce_eager never captures
+    enforce_eager: bool = False
+    cuda_graph_max_bs: int = 256
+
+    @property
+    def graph_max_batch(self) -> int:
+        """Largest decode batch replayed from a CUDA graph (0: graphs off)."""
+        if self.enforce_eager or not self.device.startswith("cuda"):
+            return 0
+        return max(0, min(self.cuda_graph_max_bs, self.scheduler.max_num_seqs))
 
 
 @dataclass(frozen=True)

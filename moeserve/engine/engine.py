@@ -65,7 +65,14 @@ class LLMEngine:
         self.max_model_len = min(config.scheduler.max_model_len, self.num_pages * cache.page_size)
         self.allocator = PageAllocator(self.num_pages, cache.page_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.allocator)
-        self.runner = ModelRunner(loaded, config.device, self.num_pages, cache.page_size)
+        self.runner = ModelRunner(
+            loaded,
+            config.device,
+            self.num_pages,
+            cache.page_size,
+            max_model_len=self.max_model_len,
+            graph_max_batch=config.graph_max_batch,
+        )
         self.metrics = EngineMetrics()
         self.live: dict[str, _Live] = {}
         self.eos_ids = set(loaded.config.eos_token_ids)
@@ -255,6 +262,8 @@ def build_engine(
     load_format: str = "auto",
     seed: int = 0,
     threads: int | None = None,
+    enforce_eager: bool = False,
+    cuda_graph_max_bs: int = 256,
 ) -> LLMEngine:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if threads:
@@ -289,6 +298,8 @@ def build_engine(
         dtype=torch_dtype,
         device=device,
         seed=seed,
+        enforce_eager=enforce_eager,
+        cuda_graph_max_bs=cuda_graph_max_bs,
     )
     return LLMEngine(config, loaded)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.engine.cuda_graphs import DecodeGraphs, graph_blockers
 from moeserve.engine.outputs import TokenLogprob
 from moeserve.engine.scheduler import ScheduledBatch
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
@@ -26,8 +27,30 @@ class StepResult:
     prompt_logprobs: list[list[TokenLogprob | None] | None]
 
 
+@dataclass
+class HostBatch:
+    """A step's batch layout as host lists (see layers/attention/metadata.py)."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]
+    query_lens: list[int]
+    block_table: list[list[int]]  # padded with page 0 to the batch's widest row
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, device: str, num_pages: int, page_size: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        device: str,
+        num_pages: int,
+        page_size: int,
+        max_model_len: int | None = None,
+        graph_max_batch: int = 0,
+    ) -> None:
+        """`graph_max_batch`: on a CUDA device, capture decode graphs for batches up to this
+        many sequences (0: eager, as with --enforce-eager)."""
         self.model = loaded.model
         self.device = torch.device(device)
         self.page_size = page_size
@@ -36,6 +59,27 @@ class ModelRunner:
         self.sampler = Sampler()
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(num_pages, page_size, loaded.kv_cache_dtype, self.device)
+        self.graphs: DecodeGraphs | None = None
+        self.graph_status = ""  # one line for the start-up banner ("" on a CPU)
+        if self.device.type == "cuda":
+            max_len = max_model_len or num_pages * page_size
+            self.graph_status = self._capture(graph_max_batch, -(-max_len // page_size))
+            log.info("%s", self.graph_status)
+
+    def _capture(self, max_batch: int, max_pages: int) -> str:
+        if max_batch <= 0:
+            return "CUDA graphs off (--enforce-eager)"
+        blockers = graph_blockers(self.model)
+        if blockers:
+            return f"CUDA graphs off: {', '.join(blockers)} cannot be captured; decode runs eager"
+        graphs = DecodeGraphs(self.model, self.device, max_batch, max_pages, self.page_size)
+        try:
+            graphs.capture()
+        except RuntimeError as e:  # a host sync or allocation somewhere: serve eagerly
+            log.warning("CUDA graph capture failed: %s", e)
+            return f"CUDA graphs off: capture failed ({str(e).splitlines()[0][:120]})"
+        self.graphs = graphs
+        return graphs.status()
 
     @staticmethod
     def kv_bytes_per_token(loaded: LoadedModel) -> int:
@@ -48,7 +92,7 @@ class ModelRunner:
         self.sampler.forget(request_id)
 
     # ---- batch tensors ---------------------------------------------------------------------
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+    def _host_batch(self, batch: ScheduledBatch) -> HostBatch:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -65,8 +109,11 @@ class ModelRunner:
             qlens.append(n)
         width = max(len(r.pages) for r in batch.requests)
         table = [r.pages + [0] * (width - len(r.pages)) for r in batch.requests]
+        return HostBatch(ids, pos, slots, seq_lens, qlens, table)
+
+    def _prepare(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
         qstart = [0]
-        for q in qlens:
+        for q in hb.query_lens:
             qstart.append(qstart[-1] + q)
         dev = self.device
 
@@ -74,21 +121,31 @@ class ModelRunner:
             return torch.tensor(x, dtype=dtype, device=dev)
 
         md = AttentionMetadata(
-            slot_mapping=t(slots, torch.int64),
-            block_tables=t(table, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
+            slot_mapping=t(hb.slots, torch.int64),
+            block_tables=t(hb.block_table, torch.int32),
+            seq_lens=t(hb.seq_lens, torch.int32),
             query_start=t(qstart, torch.int32),
-            page_size=ps,
-            seq_lens_host=seq_lens,
-            query_lens_host=qlens,
+            page_size=self.page_size,
+            seq_lens_host=hb.seq_lens,
+            query_lens_host=hb.query_lens,
         )
-        return t(ids, torch.int64), t(pos, torch.int64), ForwardContext(md)
+        return t(hb.ids, torch.int64), t(hb.positions, torch.int64), ForwardContext(md)
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Hidden states [T, H]: a graph replay for a decode-only batch that fits one, else
+        the eager forward."""
+        hb = self._host_batch(batch)
+        g = self.graphs
+        decode = all(q == 1 for q in hb.query_lens)
+        if g is not None and decode and g.can_run(len(hb.ids), len(hb.block_table[0])):
+            return g.run(hb.ids, hb.positions, hb.slots, hb.seq_lens, hb.block_table)
+        ids, positions, ctx = self._prepare(hb)
+        return self.model(ids, positions, ctx)
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        ids, positions, ctx = self._prepare(batch)
-        hidden = self.model(ids, positions, ctx)
+        hidden = self._forward(batch)
         qstart = [0]
         for n in batch.num_tokens:
             qstart.append(qstart[-1] + n)

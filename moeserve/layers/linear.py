@@ -96,6 +96,9 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
 
+    def prepare_cuda_graph(self, max_tokens: int, max_context: int, shared: dict) -> None:
+        self.method.prepare_cuda_graph(self, max_tokens, shared)
+
     # ---- compute -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)

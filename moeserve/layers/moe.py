@@ -226,6 +226,13 @@ class RoutedExperts(nn.Module):
             )
         return self._fused or None
 
+    @property
+    def supports_cuda_graph(self) -> bool:
+        """Only the fused NVFP4 kernel is capturable: the expert loop reads ids on the host.
+        (Asking builds the fused weights, which the first GPU forward would do anyway.)"""
+        dev = getattr(self.gate_proj, self.gate_proj.specs[0].suffix).device
+        return dev.type == "cuda" and gpu_kernels_enabled(dev) and self._fused_nvfp4() is not None
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> sum_k w * expert(x) [T, H] (this rank's partial)."""
         if x.is_cuda and gpu_kernels_enabled(x.device) and self._fused_nvfp4() is not None:

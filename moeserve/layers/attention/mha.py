@@ -14,6 +14,9 @@ from moeserve.layers.attention.metadata import ForwardContext
 
 
 class PagedAttention(nn.Module):
+    # decode slices the cache by host-side sequence lengths: not capturable in a CUDA graph
+    supports_cuda_graph = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads = num_heads

@@ -15,6 +15,9 @@ way; dot products are identical).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +31,9 @@ from moeserve.layers.quant.base import QuantConfig, make_param
 from moeserve.layers.quant.scheme import dense_weight, gpu_kernels_enabled
 from moeserve.layers.rotary import RotaryEmbedding, yarn_mscale
 
+if TYPE_CHECKING:
+    from moeserve.kernels.mla_decode import MLADecodeWorkspace
+
 FP8_E4M3_MAX = 448.0
 
 
@@ -38,6 +44,58 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     if rs is not None and rs.type == "yarn" and rs.mscale_all_dim:
         scale *= yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
     return scale
+
+
+@dataclass
+class MLADecodeScratch:
+    """Split-KV partials of the Triton decode kernel, shared by all MLA layers of a model
+    (their calls are stream-ordered). One flat buffer, viewed per batch, so a captured graph
+    uses fixed addresses; sized for every batch <= max_batch at the largest context."""
+
+    partial_out: torch.Tensor  # flat, [rows * heads * 512] in the partials' dtype
+    partial_lse: torch.Tensor  # flat fp32 [rows * heads]
+    num_heads: int
+    sm_count: int
+
+    @staticmethod
+    def num_splits(batch: int, num_heads: int, max_context: int, sm_count: int) -> int:
+        """The kernel's own default split count (so a view matches what it would allocate)."""
+        from moeserve.kernels.mla_decode import default_num_splits
+
+        return default_num_splits(batch, num_heads, max_context, sm_count=sm_count)
+
+    @classmethod
+    def allocate(
+        cls,
+        max_batch: int,
+        num_heads: int,
+        max_context: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        sm_count: int,
+    ) -> MLADecodeScratch:
+        from moeserve.kernels.mla_decode import KV_LORA_RANK
+
+        rows = max(
+            b * cls.num_splits(b, num_heads, max_context, sm_count) for b in range(1, max_batch + 1)
+        )
+        # the kernel's partials: fp32 for an fp32 output, else bf16 (see mla_decode)
+        po_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+        po = torch.empty(rows * num_heads * KV_LORA_RANK, dtype=po_dtype, device=device)
+        pl = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
+        return cls(po, pl, num_heads, sm_count)
+
+    def workspace(self, batch: int, max_context: int) -> tuple[MLADecodeWorkspace, int] | None:
+        """(workspace view, num_splits) for this batch, or None if it does not fit."""
+        from moeserve.kernels.mla_decode import KV_LORA_RANK, MLADecodeWorkspace
+
+        splits = self.num_splits(batch, self.num_heads, max_context, self.sm_count)
+        n = batch * self.num_heads * splits
+        if n > self.partial_lse.numel():
+            return None
+        po = self.partial_out[: n * KV_LORA_RANK].view(batch, self.num_heads, splits, -1)
+        pl = self.partial_lse[:n].view(batch, self.num_heads, splits)
+        return MLADecodeWorkspace(po, pl), splits
 
 
 class MLAAttention(nn.Module):
@@ -95,6 +153,9 @@ class MLAAttention(nn.Module):
         self.kv_scale.weight_loader = self._load_kv_scale
         self._kv_scale_loaded = False
         self.kv_cache = torch.empty(0)
+        # set by prepare_cuda_graph (GPU kernels only); plain attributes, not state
+        self._decode_scratch: MLADecodeScratch | None = None
+        self._w_absorb: torch.Tensor | None = None
 
     # ---- cache contract used by the runner ------------------------------------------------
     @property
@@ -110,6 +171,31 @@ class MLAAttention(nn.Module):
         self.kv_cache = torch.zeros(
             (num_pages, page_size, self.latent_dim), dtype=dtype, device=device
         )
+
+    @property
+    def supports_cuda_graph(self) -> bool:
+        """Only the Triton kernels' decode is capturable: the torch path sizes its gather from
+        host-side sequence lengths."""
+        return self._kernels(self.kv_cache)
+
+    def prepare_cuda_graph(self, max_batch: int, max_context: int, shared: dict) -> None:
+        """Static decode state for graph capture: the split-KV scratch (one for all layers,
+        kept in `shared`) and the absorbed kv_b_proj weight, dequantized once (dequantizing a
+        quantized one per call would copy a host-side table inside the graph)."""
+        if not self.supports_cuda_graph:
+            return
+        dtype = self.kv_a_layernorm.weight.dtype
+        dev = self.kv_cache.device
+        key = f"mla_decode_scratch/{self.num_heads}/{dtype}"
+        scratch = shared.get(key)
+        if scratch is None:
+            sm = torch.cuda.get_device_properties(dev).multi_processor_count
+            scratch = MLADecodeScratch.allocate(
+                max_batch, self.num_heads, max_context, dtype, dev, sm
+            )
+            shared[key] = scratch
+        self._decode_scratch = scratch
+        self._w_absorb = dense_weight(self.kv_b_proj, dtype)
 
     def _load_kv_scale(self, param: nn.Parameter, w: torch.Tensor, shard_id: object = None) -> None:
         # k_scale and v_scale both describe the one latent row: keep the larger
@@ -219,7 +305,10 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:
         """One query per sequence, attending the 576-wide latent rows directly (MQA)."""
         dtype = q_nope.dtype
-        w = dense_weight(self.kv_b_proj, dtype).view(self.num_heads, self.nope + self.v_dim, -1)
+        w = self._w_absorb
+        if w is None or w.dtype != dtype:
+            w = dense_weight(self.kv_b_proj, dtype)
+        w = w.view(self.num_heads, self.nope + self.v_dim, -1)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [h, nope, L], [h, v, L]
         q_lat = torch.einsum("bhd,hdl->bhl", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe], dim=-1)  # [B, h, L + R]
@@ -228,6 +317,11 @@ class MLAAttention(nn.Module):
 
             o_lat = q.new_empty(q.shape[0], self.num_heads, self.kv_lora)
             fp8 = self.kv_cache.dtype == torch.float8_e4m3fn
+            ws = None
+            if self._decode_scratch is not None:
+                ws = self._decode_scratch.workspace(
+                    q.shape[0], md.block_tables.shape[1] * md.page_size
+                )
             mla_decode(
                 q.contiguous(),
                 self.kv_cache,
@@ -236,6 +330,8 @@ class MLAAttention(nn.Module):
                 self.scale,
                 o_lat,
                 kv_scale=self.kv_scale if fp8 else None,
+                num_splits=ws[1] if ws else None,
+                workspace=ws[0] if ws else None,
             )
             return torch.einsum("bhl,hvl->bhv", o_lat, w_uv)
         length, ps = md.max_seq_len, md.page_size

@@ -57,6 +57,11 @@ class LinearMethod(ABC):
         """Repack loaded weights for the kernels of this device (optional)."""
         return None
 
+    def prepare_cuda_graph(self, layer: nn.Module, max_tokens: int, shared: dict) -> None:
+        """Allocate static scratch for CUDA-graph capture of up to `max_tokens` rows; buffers
+        that every layer can share go into `shared` (optional)."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """Dense weights in the model dtype."""

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block
+from moeserve.kernels.nvfp4_gemm import SplitKWorkspace
 from moeserve.layers.quant.base import LinearMethod, QuantConfig, UnquantizedLinearMethod
 from moeserve.layers.quant.scheme import SchemeLinearMethod, TensorSpec, WeightScheme
 
@@ -41,12 +42,17 @@ class Fp8BlockScheme(WeightScheme):
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8_block(t["weight"], t["weight_scale_inv"], dtype, self.block)
 
-    def gpu_matmul(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
-        if self.block != FP8_BLOCK:
-            return None  # the Triton kernel is written for 128x128 blocks
+    def has_gpu_matmul(self, t: dict[str, torch.Tensor]) -> bool:
+        return self.block == FP8_BLOCK  # the Triton kernel is written for 128x128 blocks
+
+    def gpu_matmul(
+        self, t: dict[str, torch.Tensor], x: torch.Tensor, workspace: SplitKWorkspace | None = None
+    ) -> torch.Tensor | None:
+        if not self.has_gpu_matmul(t):
+            return None
         from moeserve.kernels.fp8_block_gemm import fp8_block_gemm
 
-        return fp8_block_gemm(x, t["weight"], t["weight_scale_inv"])
+        return fp8_block_gemm(x, t["weight"], t["weight_scale_inv"], workspace=workspace)
 
 
 class Fp8BlockConfig(QuantConfig):

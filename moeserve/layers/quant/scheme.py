@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moeserve.layers.quant.base import LinearMethod, UnquantizedLinearMethod, make_param
+
+if TYPE_CHECKING:
+    from moeserve.kernels.nvfp4_gemm import SplitKWorkspace
 
 
 @dataclass(frozen=True)
@@ -57,15 +61,21 @@ class WeightScheme:
         convention, for the GPU NVFP4 kernels; None if this is not an NVFP4 scheme."""
         return None
 
-    def gpu_matmul(self, t: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
+    def has_gpu_matmul(self, t: dict[str, torch.Tensor]) -> bool:
+        """Whether `gpu_matmul` has a kernel for these tensors (else it returns None)."""
+        return self.nvfp4_view(t) is not None
+
+    def gpu_matmul(
+        self, t: dict[str, torch.Tensor], x: torch.Tensor, workspace: SplitKWorkspace | None = None
+    ) -> torch.Tensor | None:
         """x [M, K] bf16 @ W^T by a GPU kernel reading the stored format, or None (no kernel:
-        the caller dequantizes)."""
+        the caller dequantizes). `workspace`: a static split-K `SplitKWorkspace` that fits."""
         view = self.nvfp4_view(t)
         if view is None:
             return None
         from moeserve.kernels.nvfp4_gemm import nvfp4_gemm  # W4A16, dequantized in registers
 
-        return nvfp4_gemm(x, *view)
+        return nvfp4_gemm(x, *view, workspace=workspace)
 
 
 class SchemeLinearMethod(LinearMethod):
@@ -89,14 +99,56 @@ class SchemeLinearMethod(LinearMethod):
     def dense_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         return self.scheme.dequantize({s: getattr(layer, s) for s in layer.scheme_suffixes}, dtype)
 
+    def prepare_cuda_graph(self, layer: nn.Module, max_tokens: int, shared: dict) -> None:
+        """Bind the split-K workspace shared by all GPU GEMMs (they run one after another on
+        one stream and leave it zeroed), so a captured GEMM allocates nothing per call."""
+        tensors = {s: getattr(layer, s) for s in layer.scheme_suffixes}
+        dev = tensors[layer.scheme_suffixes[0]].device
+        if dev.type != "cuda" or not gpu_kernels_enabled(dev):
+            return
+        if self.scheme.has_gpu_matmul(tensors):
+            layer.splitk_workspace = shared_splitk_workspace(
+                shared, max_tokens, layer.local_output, dev
+            )
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and gpu_kernels_enabled(x.device):
             x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
             tensors = {s: getattr(layer, s) for s in layer.scheme_suffixes}
-            y = self.scheme.gpu_matmul(tensors, x2)
+            ws = getattr(layer, "splitk_workspace", None)
+            if ws is not None and not splitk_fits(ws, x2.shape[0], layer.local_output):
+                ws = None  # a bigger (eager) batch: the kernel allocates its own
+            y = self.scheme.gpu_matmul(tensors, x2, ws)
             if y is not None:  # the stored format straight into a Triton kernel
                 return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.dense_weight(layer, x.dtype))
+
+
+def _splitk_need(m: int, n: int) -> tuple[int, int]:
+    """(fp32 partials, tile counters) a split-K GEMM or GEMV of [m, n] may use, bounded
+    generously: rows rounded up to 16 (GEMV programs own up to 4 rows), tiles at least 16
+    columns wide, and at least one row per tile."""
+    rows = -(-m // 16) * 16
+    return rows * n, rows * -(-n // 16)
+
+
+def splitk_fits(ws: SplitKWorkspace, m: int, n: int) -> bool:
+    elems, tiles = _splitk_need(m, n)
+    return ws.partial.numel() >= elems and ws.locks.numel() >= tiles
+
+
+def shared_splitk_workspace(shared: dict, m: int, n: int, device: torch.device) -> SplitKWorkspace:
+    """The split-K workspace in `shared`, replaced by a larger one when [m, n] does not fit
+    (layers bound earlier keep the smaller one, which fits them)."""
+    from moeserve.kernels.nvfp4_gemm import SplitKWorkspace
+
+    ws = shared.get("splitk_workspace")
+    if ws is None or not splitk_fits(ws, m, n):
+        elems, tiles = _splitk_need(m, n)
+        if ws is not None:
+            elems, tiles = max(elems, ws.partial.numel()), max(tiles, ws.locks.numel())
+        ws = shared["splitk_workspace"] = SplitKWorkspace.create(elems, tiles, device)
+    return ws
 
 
 @functools.cache

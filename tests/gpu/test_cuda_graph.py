@@ -1,0 +1,160 @@
+"""CUDA-graph decode (replayed, padded batches) against the eager GPU path, on tiny NVFP4
+checkpoints that use the Triton kernels (MLA cache write + decode, fused NVFP4 MoE, and for
+DeepSeek-V3 the NVFP4 GEMM of the shared experts / dense MLP). Runs where a GPU is:
+
+    python3 -m pytest -q -s tests/gpu/test_cuda_graph.py
+
+Graph and eager runs are not bit-identical: the padded batch can pick another MLA split
+count (the graph sizes it for the whole context) and cuBLAS may pick another kernel for
+another row count. So greedy tokens must be equal, except that a run may part at a near-tie
+of the eager run (printed), and logprobs must agree closely up to there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from moeserve.engine.engine import LLM
+from moeserve.loader.checkpoint_writer import TinyShape, write_checkpoint
+from moeserve.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# the published MLA cache layout (512 + 64) so the Triton MLA kernels apply
+SHAPE = TinyShape(
+    layers=3,
+    experts=16,
+    hidden=256,
+    heads=8,
+    q_lora=64,
+    kv_lora=512,
+    nope=64,
+    rope=64,
+    v_dim=64,
+    intermediate=512,
+    moe_intermediate=128,
+    top_k=4,
+)
+STEPS = 32
+PROMPT_LENS = (5, 17, 2, 33, 9)
+NEAR_TIE = 0.05  # eager top-2 logprob gap below which graph and eager may pick differently
+LP_TOL = 0.05  # |logprob difference| of the chosen tokens before any parting
+
+
+def _prompts(n: int) -> list[list[int]]:
+    # byte-level token ids (no special tokens), a different pattern per prompt
+    return [[10 + (37 * i + 11 * j) % 240 for j in range(PROMPT_LENS[i])] for i in range(n)]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list]:
+    """Greedy, all requests concurrent; per request its (token, logprob, top-2) steps."""
+    eng = llm.engine
+    rids = []
+    for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+        rid = f"r{time.monotonic_ns()}-{i}"
+        params = SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=2)
+        eng.add_request(rid, p, params)
+        rids.append(rid)
+    steps: dict[str, list] = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for out in eng.step():
+            for tok, lp in zip(out.token_ids, out.logprobs or [], strict=True):
+                top = sorted((v for _, v in lp.top), reverse=True)
+                steps[out.request_id].append((tok, lp.logprob, top))
+    return [steps[r] for r in rids]
+
+
+def _compare(ref: list[list], got: list[list]) -> list[str]:
+    """Problems (empty: fine); prints per request where and why the runs part."""
+    problems = []
+    for i, (r, g) in enumerate(zip(ref, got, strict=True)):
+        assert len(r) == len(g), f"request {i}: {len(r)} vs {len(g)} tokens"
+        worst, part = 0.0, None
+        for k, ((tr, lr, top), (tg, lg, _)) in enumerate(zip(r, g, strict=True)):
+            if tr != tg:
+                part = k
+                gap = top[0] - top[1] if len(top) > 1 else float("inf")
+                print(f"  request {i}: parts at step {k} ({tr} vs {tg}), eager top-2 gap {gap:.4f}")
+                if gap > NEAR_TIE:
+                    problems.append(f"request {i} parts at step {k} with gap {gap:.4f}")
+                break
+            worst = max(worst, abs(lr - lg))
+        print(f"  request {i}: equal for {len(r) if part is None else part}/{len(r)} steps, "
+              f"max |logprob diff| {worst:.5f}")  # fmt: skip
+        if worst > LP_TOL:
+            problems.append(f"request {i}: logprob diff {worst:.4f} > {LP_TOL}")
+    return problems
+
+
+@pytest.mark.parametrize(
+    ("like", "fmt", "kv"),
+    [
+        ("kimi-k2.5", "nvfp4-modelopt", "bf16"),
+        ("kimi-k2.5", "nvfp4-modelopt", "fp8"),
+        ("deepseek-v3", "nvfp4-modelopt", "bf16"),  # + NVFP4 GEMMs (shared experts)
+    ],
+)
+def test_graph_decode_matches_eager(tmp_path, like, fmt, kv):
+    path = str(tmp_path / like)
+    write_checkpoint(path, like, fmt, shape=SHAPE, seed=1)
+    kw = dict(
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=256,
+        max_num_seqs=8,
+        kv_cache_dtype=kv,
+        enable_prefix_caching=False,  # every run prefills its whole prompts: fixed step shapes
+    )
+    eager = LLM(path, enforce_eager=True, **kw)
+    graph = LLM(path, **kw)
+    print(f"\n{like} {fmt} kv={kv}\n  eager: {eager.engine.runner.graph_status}")
+    print(f"  graph: {graph.engine.runner.graph_status}")
+    assert eager.engine.runner.graphs is None
+    g = graph.engine.runner.graphs
+    assert g is not None, graph.engine.runner.graph_status
+    assert g.sizes == [1, 2, 4, 8]
+    # warm-up and capture ran all-padding batches: they must not have written the cache
+    layers = graph.engine.runner.model.attention_layers()
+    assert not any(layer.kv_cache.float().any() for layer in layers)
+
+    problems = []
+    # 3 sequences pad to 4; one prefill step, then STEPS - 1 decode steps of all three
+    before = Counter(g.replays)
+    prompts = _prompts(3)
+    ref = _generate(eager, prompts, [STEPS] * 3)
+    got = _generate(graph, prompts, [STEPS] * 3)
+    used = g.replays - before
+    print(f"  3 sequences: replays by padded size {dict(used)}")
+    problems += _compare(ref, got)
+    assert used == Counter({4: STEPS - 1})
+
+    # 5 sequences finishing at different steps: the batch shrinks 5 -> 1 (pads to 8, 4, 2, 1)
+    before = Counter(g.replays)
+    prompts, lengths = _prompts(5), [STEPS, 20, STEPS - 4, 8, 12]
+    ref = _generate(eager, prompts, lengths)
+    got = _generate(graph, prompts, lengths)
+    used = g.replays - before
+    print(f"  5 sequences: replays by padded size {dict(used)}")
+    problems += _compare(ref, got)
+    assert used == Counter({8: 7, 4: 12, 2: 8, 1: 4})  # = max(lengths) - 1 decode steps
+    assert not problems, problems
+
+
+def test_bigger_batches_run_eagerly(tmp_path):
+    """Decode batches above --cuda-graph-max-bs run the eager forward (same tokens)."""
+    path = str(tmp_path / "kimi")
+    write_checkpoint(path, "kimi-k2.5", "nvfp4-modelopt", shape=SHAPE, seed=1)
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=256, enable_prefix_caching=False)
+    graph = LLM(path, cuda_graph_max_bs=4, **kw)
+    g = graph.engine.runner.graphs
+    print(f"\n  {graph.engine.runner.graph_status}")
+    assert g is not None and g.sizes == [1, 2, 4]
+    prompts = _prompts(5)
+    got = _generate(graph, prompts, [8] * 5)
+    assert not g.replays  # 5 sequences > 4: every decode step ran eagerly
+    ref = _generate(LLM(path, enforce_eager=True, **kw), prompts, [8] * 5)
+    assert [[t for t, _, _ in r] for r in got] == [[t for t, _, _ in r] for r in ref]

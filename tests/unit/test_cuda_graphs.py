@@ -1,0 +1,266 @@
+"""CUDA-graph decode pieces that need no GPU: capture sizes and padding, which models are
+capturable, the replay plumbing (stand-in graphs), the MLA split-KV scratch and the shared
+split-K workspace (kernels under the Triton interpreter), config and CLI flags."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from moeserve.cli import _build_parser, _engine_kwargs
+from moeserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from moeserve.engine.cuda_graphs import (
+    PAD_SEQ_LEN,
+    PAD_SLOT,
+    DecodeGraphs,
+    capture_sizes,
+    graph_blockers,
+    pad_rows,
+    padded_size,
+)
+from moeserve.layers.attention.mha import PagedAttention
+from moeserve.layers.attention.mla import MLADecodeScratch
+from moeserve.layers.quant.scheme import shared_splitk_workspace, splitk_fits
+from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+from tests.models.helpers import tiny_hf_config
+
+
+# ---- sizes and padding ------------------------------------------------------------------------
+def test_capture_sizes():
+    assert capture_sizes(0) == []
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    big = capture_sizes(256)
+    assert big[:5] == [1, 2, 4, 8, 16] and big[-1] == 256 and len(big) == 35
+    assert all(b - a <= 8 for a, b in zip(big, big[1:], strict=False))
+
+
+@pytest.mark.parametrize("max_batch", [1, 5, 8, 20, 64])
+def test_padded_size_is_the_smallest_captured_fit(max_batch):
+    sizes = capture_sizes(max_batch)
+    for b in range(1, max_batch + 1):
+        p = padded_size(b, sizes)
+        assert p in sizes and p >= b
+        assert all(s < b for s in sizes if s < p)
+    assert padded_size(max_batch + 1, sizes) is None
+
+
+def test_pad_rows_write_and_read_nothing():
+    rows, lens = pad_rows([7, 8, 9], [4, 20, 3], [65, 321, 50], [5, 21, 4], 4)
+    assert rows == [[7, 8, 9, 0], [4, 20, 3, 0], [65, 321, 50, PAD_SLOT]]
+    assert lens == [5, 21, 4, PAD_SEQ_LEN] and PAD_SLOT < 0 and PAD_SEQ_LEN == 0
+    with pytest.raises(ValueError):
+        pad_rows([1, 2], [0, 0], [0, 1], [1, 1], 1)
+
+
+# ---- which models are captured --------------------------------------------------------------
+class _Capturable(nn.Module):
+    supports_cuda_graph = True
+
+
+def test_graph_blockers():
+    assert graph_blockers(nn.Sequential(_Capturable(), nn.Linear(2, 2))) == []
+    assert PagedAttention.supports_cuda_graph is False
+    assert graph_blockers(nn.Sequential(_Capturable(), PagedAttention(2, 1, 8, 0.3))) == [
+        "PagedAttention"
+    ]
+    # on a CPU (and for a non-512+64 latent) MLA runs the torch path, experts loop on the host
+    model = DeepseekV3ForCausalLM(ModelConfig.from_hf(tiny_hf_config()))
+    assert graph_blockers(model) == ["MLAAttention", "RoutedExperts"]
+
+
+def test_graph_max_batch():
+    mc = ModelConfig.from_hf(tiny_hf_config())
+    sched = SchedulerConfig(max_num_seqs=48)
+    gpu = EngineConfig("m", mc, scheduler=sched, device="cuda")
+    assert gpu.graph_max_batch == 48  # capped by max_num_seqs
+    assert EngineConfig("m", mc, device="cuda:1").graph_max_batch == 64
+    small = EngineConfig("m", mc, scheduler=sched, device="cuda", cuda_graph_max_bs=16)
+    assert small.graph_max_batch == 16
+    assert EngineConfig("m", mc, device="cuda", enforce_eager=True).graph_max_batch == 0
+    assert EngineConfig("m", mc, device="cpu").graph_max_batch == 0
+
+
+def test_cli_flags():
+    args = _build_parser().parse_args(["serve", "--enforce-eager", "--cuda-graph-max-bs", "16"])
+    kw = _engine_kwargs(args)
+    assert kw["enforce_eager"] is True and kw["cuda_graph_max_bs"] == 16
+    kw = _engine_kwargs(_build_parser().parse_args(["serve"]))
+    assert kw["enforce_eager"] is False and kw["cuda_graph_max_bs"] == 256
+    with pytest.raises(SystemExit) as e:
+        _build_parser().parse_args(["serve", "--cuda-graph-max-bs", "0"])
+    assert e.value.code == 2
+
+
+# ---- replay plumbing --------------------------------------------------------------------------
+class _Echo(nn.Module):
+    """A 'model' whose hidden row b is what sequence b's decode reads from the batch."""
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        md = ctx.attn
+        cols = [ids, positions, md.slot_mapping, md.seq_lens, md.block_tables[:, 0]]
+        return torch.stack([c.long() for c in cols], dim=1)
+
+
+class _StandInGraph:
+    """Replays by running the forward again on the same static buffers (what a graph does)."""
+
+    def __init__(self, model: nn.Module, graphs: DecodeGraphs, size: int) -> None:
+        self.model, self.ctx, self.size = model, graphs.context(size), size
+        self.inputs, self.out = graphs.inputs, graphs.outputs[size]
+
+    def replay(self) -> None:
+        ids, pos = self.inputs[0, : self.size], self.inputs[1, : self.size]
+        self.out.copy_(self.model(ids, pos, self.ctx))
+
+
+def test_replay_pads_to_the_next_size_and_resets_padding_rows():
+    model = _Echo()
+    g = DecodeGraphs(model, torch.device("cpu"), max_batch=8, max_pages=4, page_size=16)
+    g.allocate_inputs()
+    for size in g.sizes:
+        g.outputs[size] = torch.zeros(size, 5, dtype=torch.long)
+        g.graphs[size] = _StandInGraph(model, g, size)  # type: ignore[assignment]
+    assert g.can_run(8, 4) and not g.can_run(9, 1) and not g.can_run(2, 5)
+
+    five = g.run([1, 2, 3, 4, 5], [9] * 5, [16, 33, 50, 67, 84], [10] * 5, [[1, 2]] * 5)
+    assert five.shape == (5, 5) and five[:, 0].tolist() == [1, 2, 3, 4, 5]
+    assert five[:, 4].tolist() == [1] * 5
+    pad = g.outputs[8][5:]
+    assert pad[:, 2].tolist() == [PAD_SLOT] * 3 and pad[:, 3].tolist() == [PAD_SEQ_LEN] * 3
+
+    # three sequences reuse rows that held real sequences: padded again, none left stale
+    three = g.run([7, 8, 9], [4, 20, 3], [65, 321, 50], [5, 21, 4], [[4], [20], [3]])
+    assert three.tolist() == [[7, 4, 65, 5, 4], [8, 20, 321, 21, 20], [9, 3, 50, 4, 3]]
+    assert g.outputs[4][3].tolist()[2:4] == [PAD_SLOT, PAD_SEQ_LEN]
+    assert g.replays == Counter({8: 1, 4: 1})
+
+
+class _Prepared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared: list[tuple] = []
+
+    def prepare_cuda_graph(self, max_tokens: int, max_context: int, shared: dict) -> None:
+        self.prepared.append((max_tokens, max_context, shared))
+
+
+class _Recorder(_Echo):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Prepared()
+        self.calls: list[int] = []
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        self.calls.append(ids.shape[0])
+        assert ctx.attn.is_decode_only and ctx.attn.slot_mapping.tolist() == [PAD_SLOT] * len(ids)
+        return super().forward(ids, positions, ctx)
+
+
+def test_capture_prepares_once_then_warms_up_and_captures_largest_first(monkeypatch):
+    captured = []
+
+    class FakeGraph:
+        def replay(self) -> None: ...
+
+    class FakeCapture:
+        def __init__(self, graph: FakeGraph, pool: object = None, stream: object = None) -> None:
+            captured.append(pool)
+
+        def __enter__(self) -> None: ...
+
+        def __exit__(self, *exc: object) -> None: ...
+
+    pool = object()
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: pool)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+    class FakeStream:
+        def __init__(self, device: object = None) -> None: ...
+
+        def wait_stream(self, other: object) -> None: ...
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    model = _Recorder()
+    g = DecodeGraphs(model, torch.device("cpu"), max_batch=8, max_pages=4, page_size=16)
+    g.capture()
+    assert [p[:2] for p in model.inner.prepared] == [(8, 64)]
+    assert model.calls == [8, 8, 4, 4, 2, 2, 1, 1]  # warm-up, then capture, per size
+    assert captured == [pool] * 4  # one shared pool
+    assert sorted(g.graphs) == [1, 2, 4, 8] and g.outputs[4].shape == (4, 5)
+    assert g.status().startswith("CUDA graphs on: 4 decode batch sizes (1-8)")
+
+
+# ---- kernels' static scratch (Triton interpreter on a CPU) -----------------------------------
+def _interpreted(fn) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from tests.kernels.interpreter_shims import install_interpreter_shims
+
+    if not isinstance(fn, InterpretedFunction):
+        return False
+    install_interpreter_shims()
+    return True
+
+
+def test_mla_scratch_views_match_the_kernel_default_and_padding_reads_nothing():
+    import moeserve.kernels.mla_decode as md
+    from tests.kernels.mla_cases import make_case
+
+    heads, ctx = 16, 1024
+    scratch = MLADecodeScratch.allocate(4, heads, ctx, torch.bfloat16, "cpu", sm_count=132)
+    for b in range(1, 5):
+        ws, splits = scratch.workspace(b, ctx)
+        assert splits == md.default_num_splits(b, heads, ctx, sm_count=132)
+        assert ws.partial_out.shape == (b, heads, splits, 512)
+        assert ws.partial_lse.shape == (b, heads, splits)
+    assert scratch.workspace(64, ctx) is None  # too big: the kernel allocates its own
+    if not _interpreted(md._mla_decode_split_kernel):
+        pytest.skip("the MLA kernel is compiled for a GPU here (tests/gpu cover it)")
+    # a padding row (seq_len 0) between real ones, its page full of NaN: nothing is read
+    q, cache, bt, seq, _ = make_case([37, 0, 5], heads, 16, torch.bfloat16, seed=3)
+    ws, splits = scratch.workspace(3, ctx)
+    assert splits > 1  # the partials and the merge are exercised
+    out = torch.full((3, heads, 512), float("nan"), dtype=torch.bfloat16)
+    small = md.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    md.mla_decode(q, cache, bt, seq, 0.13, out, num_splits=splits, workspace=ws, config=small)
+    ref = torch.empty(3, heads, 512)
+    md.mla_decode_ref(q, cache, bt, seq, 0.13, ref)
+    assert not out[1].float().any()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("m", "kernel"), [(3, "gemv"), (3, "mma"), (17, "mma")])
+def test_shared_splitk_workspace_fits_the_kernels(m, kernel):
+    import moeserve.kernels.nvfp4_gemm as nv
+
+    shared: dict = {}
+    small = shared_splitk_workspace(shared, 4, 48, "cpu")
+    assert shared_splitk_workspace(shared, 4, 32, "cpu") is small  # fits: shared
+    big = shared_splitk_workspace(shared, 20, 48, "cpu")
+    assert big is not small and splitk_fits(big, 20, 48) and splitk_fits(big, 4, 48)
+    if not _interpreted(nv._nvfp4_gemm_kernel):
+        pytest.skip("the NVFP4 kernels are compiled for a GPU here (tests/gpu cover them)")
+    gen = torch.Generator().manual_seed(m)
+    packed, scale, gs = nv.quantize_nvfp4(torch.randn(48, 256, generator=gen))
+    x = torch.randn(m, 256, generator=gen).to(torch.bfloat16)
+    if kernel == "gemv":
+        cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1)
+    else:
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, SPLIT_K=4, num_warps=4, num_stages=2)
+    ws = shared_splitk_workspace({}, m, 48, "cpu")  # the bound the linears use: must fit
+    for _ in range(2):  # the workspace is left zeroed, so it serves the next call too
+        y = nv.nvfp4_gemm(x, packed, scale, gs, workspace=ws, config=cfg, kernel=kernel)
+        assert not ws.partial.any() and not ws.locks.any()
+        ref = nv.nvfp4_gemm_ref(x, packed, scale, gs)
+        torch.testing.assert_close(y.float(), ref.float(), atol=2e-2, rtol=2e-2)
