@@ -43,7 +43,12 @@ GEMV_MAX_BENCH_M = 8  # the CUDA-core GEMV is timed up to here, the tensor-core 
 PREFILL_M = 2048  # a prefill chunk
 MOE = {"E": 384, "H": 7168, "I": 2048, "topk": 8}
 MOE_MS = (1, 16, 64)
-TABLE = {"gemv": "nvfp4_gemv", "mma": "nvfp4_gemm", "dequant": "nvfp4_dequant"}
+TABLE = {
+    "gemv": "nvfp4_gemv",
+    "gemv_mma": "nvfp4_gemv_mma",
+    "mma": "nvfp4_gemm",
+    "dequant": "nvfp4_dequant",
+}
 DECODE_ORDER = (nv.DECODE_ASM, nv.DECODE_BITS, nv.DECODE_ARITH)  # first that passes is used
 
 
@@ -149,7 +154,9 @@ def correctness(dev: str, results: list, smoke: bool = False) -> dict[str, bool]
     for name, (n, k) in list(GEMM_SHAPES.items())[:2]:
         w = torch.randn(n, k, device=dev) * 0.02
         packed, scale, gs = nv.quantize_nvfp4(w)
-        for m, kernel in ((1, "gemv"), (3, "gemv"), (1, "mma"), (100, "mma")):
+        cases = ((1, "gemv"), (3, "gemv"), (1, "mma"), (100, "mma"), (1, "dequant"))
+        cases += () if smoke else ((1, "gemv_mma"), (5, "gemv_mma"), (13, "gemv_mma"))
+        for m, kernel in cases:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             try:
                 check_close(
@@ -184,7 +191,8 @@ def correctness(dev: str, results: list, smoke: bool = False) -> dict[str, bool]
         w13[j], s13[j], g13[j] = nv.quantize_nvfp4(torch.randn(2 * i, h, device=dev) * 0.02)
         w2[j], s2[j], g2[j] = nv.quantize_nvfp4(torch.randn(h, i, device=dev) * 0.02)
     ms = ((1, "gemv"), (7, "gemv"), (7, "mma")) if smoke else ((1, "gemv"), (64, "gemv"))
-    for m, kernel in ms + (() if smoke else ((1, "mma"), (64, "mma"))):
+    more = ((1, "mma"), (64, "mma"), (1, "gemv_mma"), (64, "gemv_mma"))
+    for m, kernel in ms + (() if smoke else more):
         x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(e_, device=dev)[:topk] for _ in range(m)]).int()
         tw = torch.rand(m, topk, device=dev)
@@ -212,6 +220,11 @@ def sweep_configs(m: int, kernel: str) -> list[dict | None]:
     candidate is a fresh compile on a fresh machine and device time is scarce."""
     if m != 1 or kernel == "dequant":
         return [None]
+    if kernel == "gemv_mma":
+        return [None] + [
+            dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=w)
+            for bn, sk, w in ((32, 0, 4), (128, 0, 4), (64, 0, 8), (64, 1, 4), (128, 0, 8))
+        ]
     if kernel == "gemv":
         return [None] + [
             dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=1, PREFETCH=pf)
@@ -255,6 +268,7 @@ def bench_nvfp4(
             calls = 100 if m <= 64 else 20
             workspace = nv.SplitKWorkspace.create(m * n, 4096, dev)
             kernels = ("gemv",) if m <= GEMV_MAX_BENCH_M else ()
+            kernels += ("gemv_mma",) if m <= 16 else ()
             kernels += ("mma",) if m <= 64 else ()
             kernels += ("dequant",) if m >= 16 else ()
             for kernel in kernels:
@@ -454,9 +468,16 @@ def bench_fp8(dev: str, sweep: bool, records: list, best_cfgs: dict) -> None:
 
 def moe_candidates(m: int, sweep: bool) -> list[tuple[str, dict | None, dict | None]]:
     """(kernel, gate_up config, down config) to time; None = the shipped table."""
-    cands: list[tuple[str, dict | None, dict | None]] = [("gemv", None, None), ("mma", None, None)]
+    cands: list[tuple[str, dict | None, dict | None]] = [
+        ("gemv", None, None),
+        ("gemv_mma", None, None),
+        ("mma", None, None),
+    ]
     if not sweep:
         return cands
+    for mp, bn, dbn, w in ((8, 64, 64, 4), (8, 32, 32, 4), (8, 32, 128, 4), (4, 32, 64, 4)):
+        cfg = dict(MP=mp, BLOCK_N=bn, DOWN_BLOCK_N=dbn, num_warps=w)
+        cands.append(("gemv_mma", cfg, None))
     mps = (1,) if m <= 16 else (1, 2)
     for mp in mps:
         for bn, bk, w, dbn, pf in (
@@ -556,8 +577,8 @@ def bench_moe(dev: str, decode: int, sweep: bool, records: list, best_cfgs: dict
         tp = graph_time_us([peer], 1 if m > 16 else 5, reps=3)
         peer_b = len(experts) * 3 * i * h * 2
         for kernel, (c1, c2, t) in best.items():
-            if kernel == "gemv":
-                config = c1 or tile_config("moe_gemv", m, "")
+            if kernel in ("gemv", "gemv_mma"):
+                config = c1 or tile_config(f"moe_{kernel}", m, "")
             else:
                 config = {
                     "gate_up": c1 or tile_config("moe_gate_up", m, ""),

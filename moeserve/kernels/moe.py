@@ -35,9 +35,16 @@ from moeserve.kernels.nvfp4_gemm import (
     _load_decode_tile,
     default_decode,
     dequantize_nvfp4,
+    gemv_mma_enabled,
     interpreting,
 )
 from moeserve.kernels.nvfp4_gemv import GEMV_F16_EXP, gemv_accumulate
+from moeserve.kernels.nvfp4_gemv_mma import (
+    MMA_STEP_K,
+    mma_accumulate,
+    mma_rows,
+    mma_supported,
+)
 
 ALIGN_CHUNK = 1024  # slots handled per vector step inside the single-program align kernel
 ALIGN_BCHUNK = 32  # blocks per step when mapping blocks to experts ([32, E] compare)
@@ -423,6 +430,109 @@ def _moe_down_gemv_kernel(
 
 
 @triton.jit
+def _block_token_rows(sorted_ptr, pid_b, Mk, MP: tl.constexpr, R: tl.constexpr):
+    """For tile row r: the slot that is MMA row r % 8 of block pid_b (padding and rows past MP
+    give Mk), and the 8 slots themselves."""
+    j = tl.arange(0, R) % 8
+    slot_r = tl.load(sorted_ptr + pid_b * MP + j, mask=j < MP, other=Mk)
+    j8 = tl.arange(0, 8)
+    slots8 = tl.load(sorted_ptr + pid_b * MP + j8, mask=j8 < MP, other=Mk)
+    return slot_r, slots8
+
+
+@triton.jit
+def _moe_gate_up_mma_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    inter_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    Mk,
+    INTER,
+    H,
+    stride_xm,
+    TOPK: tl.constexpr,
+    MP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_ITERS: tl.constexpr,
+):
+    """Register-fed mma.sync path of the gate_up GEMM (nvfp4_gemv_mma.py): block pid(0) of up
+    to MP <= 8 slots of one expert are the MMA's rows; BLOCK_N gate rows and the matching up
+    rows of tile pid(1) are its columns, so 1..8 slots cost one pass over the weights."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_b)
+    if expert < 0:
+        return
+    R: tl.constexpr = 2 * BLOCK_N
+    KW = H // 8
+    slot_r, slots8 = _block_token_rows(sorted_ptr, pid_b, Mk, MP, R)
+    tok_r = tl.where(slot_r < Mk, slot_r, 0) // TOPK  # padding rows read token 0, dropped
+    r = tl.arange(0, R)
+    w_row = expert.to(tl.int64) * 2 * INTER + pid_n * BLOCK_N + r % BLOCK_N
+    w_row += (r >= BLOCK_N).to(tl.int64) * INTER
+    c0, c1 = mma_accumulate(
+        (x_ptr + tok_r.to(tl.int64) * stride_xm).to(tl.int64)[:, None],
+        w_ptr + w_row[:, None] * KW,
+        (s_ptr + w_row * (KW // 2)).to(tl.int64)[:, None],
+        0,
+        R,
+        K_ITERS,
+    )
+    y = mma_rows(c0, c1, R) * (tl.load(gs_ptr + expert) * (2.0**ACC_FIX_EXP))  # [8, 2*BN]
+    g, u = tl.split(tl.permute(tl.reshape(y, (8, 2, BLOCK_N)), (0, 2, 1)))
+    h = g / (1.0 + tl.exp(-g)) * u
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = inter_ptr + slots8[:, None].to(tl.int64) * INTER + offs_n[None, :]
+    tl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=(slots8 < Mk)[:, None])
+
+
+@triton.jit
+def _moe_down_mma_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    y_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    topk_w_ptr,
+    Mk,
+    H,
+    INTER,
+    MP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_ITERS: tl.constexpr,
+):
+    """Register-fed mma.sync path of the down GEMM (same outputs as _moe_down_kernel)."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_b)
+    if expert < 0:
+        return
+    KW = INTER // 8
+    slot_r, slots8 = _block_token_rows(sorted_ptr, pid_b, Mk, MP, BLOCK_N)
+    src_r = tl.where(slot_r < Mk, slot_r, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_row = expert.to(tl.int64) * H + offs_n
+    c0, c1 = mma_accumulate(
+        (a_ptr + src_r.to(tl.int64) * INTER).to(tl.int64)[:, None],
+        w_ptr + w_row[:, None] * KW,
+        (s_ptr + w_row * (KW // 2)).to(tl.int64)[:, None],
+        0,
+        BLOCK_N,
+        K_ITERS,
+    )
+    ok = slots8 < Mk
+    wt = tl.load(topk_w_ptr + slots8, mask=ok, other=0.0)
+    y = mma_rows(c0, c1, BLOCK_N) * (tl.load(gs_ptr + expert) * (2.0**ACC_FIX_EXP))
+    ptrs = y_ptr + slots8[:, None].to(tl.int64) * H + offs_n[None, :]
+    tl.store(ptrs, y * wt[:, None], mask=ok[:, None])
+
+
+@triton.jit
 def _moe_combine_kernel(y_ptr, out_ptr, H, stride_om, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[m, :] = sum_j y[m*TOPK + j, :] (fp32 sum, stored in out's dtype)."""
     m = tl.program_id(0)
@@ -528,8 +638,10 @@ def fused_moe_nvfp4(
 ) -> torch.Tensor:
     """Fused NVFP4 MoE, see the module docstring for layouts. Graph-capturable (no host sync);
     temporaries come from the caching allocator (the graph's pool under capture).
-    `kernel`: "gemv" (CUDA-core decode path, blocks of a few slots), "mma" (tensor cores) or
-    None: GEMV up to the token count of tiles.json's "moe_gemv" table."""
+    `kernel`: "gemv" (CUDA-core decode path, blocks of a few slots), "gemv_mma" (register-fed
+    mma.sync, blocks of up to 8 slots, GPU only), "mma" (tensor-core tl.dot) or None: GEMV up
+    to the token count of tiles.json's "moe_gemv" table, then gemv_mma up to its table's
+    (where the shapes allow and the start-up probe passed), then mma."""
     _check_moe_args(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs)
     m, h = x.shape
     num_e, two_i, _ = w13.shape
@@ -543,9 +655,20 @@ def fused_moe_nvfp4(
     key = f"{num_e}:{two_i}x{h}"
     if kernel is None:
         kernel = "gemv" if m <= max_rows("moe_gemv", key) else "mma"
+        mma_cfg = tile_config("moe_gemv_mma", m, key)
+        if (
+            kernel == "mma"
+            and m <= max_rows("moe_gemv_mma", key)
+            and moe_gemv_mma_supported(w13, w2, mma_cfg)
+            and gemv_mma_enabled(x.device)
+        ):
+            kernel = "gemv_mma"
     if kernel == "gemv":
         cfg = {**tile_config("moe_gemv", m, key), **(gate_up_config or {})}
         y = _moe_gemv(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg, dec)
+    elif kernel == "gemv_mma":
+        cfg = {**tile_config("moe_gemv_mma", m, key), **(gate_up_config or {})}
+        y = _moe_gemv_mma(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg)
     elif kernel == "mma":
         y = _moe_mma(
             x,
@@ -630,6 +753,67 @@ def _moe_gemv(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg,
         PREFETCH=cfg.get("PREFETCH", 1),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+def moe_gemv_mma_supported(w13: torch.Tensor, w2: torch.Tensor, cfg: dict[str, int]) -> bool:
+    inter_size, hidden = w13.shape[1] // 2, w2.shape[1]
+    return mma_supported(inter_size, hidden, cfg["BLOCK_N"], w13) and mma_supported(
+        hidden, inter_size, cfg["DOWN_BLOCK_N"], w2
+    )
+
+
+def _moe_gemv_mma(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg):
+    """Align into blocks of MP <= 8 slots, then the two register-fed MMA kernels -> y."""
+    m, h = x.shape
+    num_e, two_i, _ = w13.shape
+    inter_size = two_i // 2
+    topk = topk_ids.shape[1]
+    mk = m * topk
+    mp, bn, bn2 = cfg["MP"], cfg["BLOCK_N"], cfg["DOWN_BLOCK_N"]
+    if not moe_gemv_mma_supported(w13, w2, cfg) or not 1 <= mp <= 8:
+        raise ValueError(f"MMA MoE needs H, I multiples of {MMA_STEP_K} and of the tiles, MP<=8")
+    sorted_ids, expert_ids = moe_align(topk_ids, num_e, mp)
+    nb = expert_ids.numel()
+    inter = torch.empty(mk, inter_size, dtype=x.dtype, device=x.device)
+    y = torch.empty(mk, h, dtype=torch.float32, device=x.device)
+    _moe_gate_up_mma_kernel[(nb, inter_size // bn)](
+        x,
+        w13.view(torch.int32),
+        w13_scale.view(torch.uint8),
+        w13_gs,
+        inter,
+        sorted_ids,
+        expert_ids,
+        mk,
+        inter_size,
+        h,
+        x.stride(0),
+        TOPK=topk,
+        MP=mp,
+        BLOCK_N=bn,
+        K_ITERS=h // MMA_STEP_K,
+        num_warps=cfg["num_warps"],
+        num_stages=1,
+    )
+    _moe_down_mma_kernel[(nb, h // bn2)](
+        inter,
+        w2.view(torch.int32),
+        w2_scale.view(torch.uint8),
+        w2_gs,
+        y,
+        sorted_ids,
+        expert_ids,
+        tw,
+        mk,
+        h,
+        inter_size,
+        MP=mp,
+        BLOCK_N=bn2,
+        K_ITERS=inter_size // MMA_STEP_K,
+        num_warps=cfg["num_warps"],
+        num_stages=1,
     )
     return y
 

@@ -459,6 +459,38 @@ def probe_decode(device: torch.device) -> int:
     return DECODE_ARITH
 
 
+@functools.lru_cache(maxsize=8)
+def probe_gemv_mma(device: torch.device) -> bool:
+    """Whether the register-fed MMA GEMV (nvfp4_gemv_mma.py) reproduces the reference exactly
+    on this device (it relies on Triton's register layout; a mismatch shows here). Runs once
+    per device; call it before CUDA-graph capture."""
+    if device.type != "cuda":
+        return False
+    from moeserve.kernels.nvfp4_gemv_mma import nvfp4_gemv_mma
+
+    x, packed, scale, gs = _probe_case(device)
+    ref = nvfp4_gemm_ref(x, packed, scale, gs)
+    try:
+        cfg = {"BLOCK_N": 32, "SPLIT_K": 0, "num_warps": 4}
+        y = nvfp4_gemv_mma(x, packed, scale, gs.reshape(1), torch.empty_like(ref), None, cfg)
+        if torch.equal(y, ref):
+            return True
+        log.warning("NVFP4 MMA GEMV is not exact on %s; using the CUDA-core GEMV", device)
+    except Exception as e:  # noqa: BLE001 - any compile/launch failure means "not this one"
+        log.warning("NVFP4 MMA GEMV unavailable on %s (%s)", device, e)
+    return False
+
+
+def gemv_mma_enabled(device: torch.device) -> bool:
+    """probe_gemv_mma's answer; False (no probe) under graph capture before any probe."""
+    if interpreting() or device.type != "cuda":
+        return False
+    if torch.cuda.is_current_stream_capturing() and probe_gemv_mma.cache_info().currsize == 0:
+        log.warning("NVFP4 MMA GEMV not probed before graph capture; not using it")
+        return False
+    return probe_gemv_mma(device)
+
+
 def default_decode(device: torch.device | None = None) -> int:
     """Decode mode for kernels launched on `device`: probed once per device (see probe_decode).
     Under CUDA-graph capture before any probe, the plain-Triton decode is used (one log line)."""
@@ -502,6 +534,23 @@ def choose_split_k(cfg_split: int, tiles: int, k_tiles: int, device: torch.devic
     return max(1, min(want, k_tiles // 2))
 
 
+def _default_kernel(m: int, key: str, packed: torch.Tensor, device: torch.device) -> str:
+    """By row count, from tiles.json: the CUDA-core GEMV up to "nvfp4_gemv"'s rows, then the
+    register-fed MMA GEMV up to "nvfp4_gemv_mma"'s (where the shape allows it and the start-up
+    probe passed), the tensor-core GEMM, and dequantize+cuBLAS from "nvfp4_dequant"'s min_m."""
+    if m <= max_rows("nvfp4_gemv", key):
+        return "gemv"
+    if m >= min_rows("nvfp4_dequant", key):
+        return "dequant"
+    if m <= max_rows("nvfp4_gemv_mma", key) and gemv_mma_enabled(device):
+        from moeserve.kernels.nvfp4_gemv_mma import mma_supported
+
+        n, k = packed.shape[0], packed.shape[1] * 2
+        if mma_supported(n, k, tile_config("nvfp4_gemv_mma", m, key)["BLOCK_N"], packed):
+            return "gemv_mma"
+    return "mma"
+
+
 def _as_scalar_tensor(v: torch.Tensor | float, device: torch.device) -> torch.Tensor:
     t = torch.as_tensor(v, dtype=torch.float32, device=device).reshape(1)
     return t
@@ -523,9 +572,9 @@ def nvfp4_gemm(
     packed uint8 [N, K/2], scale float8_e4m3fn [N, K/16], global_scale fp32 scalar (a device
     tensor keeps it CUDA-graph safe). `workspace` (SplitKWorkspace) is needed for graph capture
     when the chosen config splits K; without it a zeroed one is allocated per call.
-    `kernel`: "gemv" (CUDA cores, nvfp4_gemv.py), "mma" (tensor cores, below), "dequant" (bf16
-    weight chunks + cuBLAS) or None: GEMV up to the row count that tiles.json's "nvfp4_gemv"
-    table covers, dequant from its "nvfp4_dequant" min_m, MMA between.
+    `kernel`: "gemv" (CUDA cores, nvfp4_gemv.py), "gemv_mma" (register-fed mma.sync,
+    nvfp4_gemv_mma.py, GPU only), "mma" (tensor cores, below), "dequant" (bf16 weight chunks +
+    cuBLAS) or None: see _default_kernel.
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with unit stride along K, got {tuple(x.shape)}")
@@ -556,9 +605,12 @@ def nvfp4_gemm(
     gs = _as_scalar_tensor(global_scale, x.device)
     key = f"{n}x{k}"
     if kernel is None:
-        kernel = "gemv" if m <= max_rows("nvfp4_gemv", key) else "mma"
-        if m >= min_rows("nvfp4_dequant", key):
-            kernel = "dequant"
+        kernel = _default_kernel(m, key, packed, x.device)
+    if kernel == "gemv_mma":
+        from moeserve.kernels.nvfp4_gemv_mma import nvfp4_gemv_mma
+
+        cfg = config or tile_config("nvfp4_gemv_mma", m, key)
+        return nvfp4_gemv_mma(x, packed, scale, gs, out, workspace, cfg)
     if kernel in ("gemv", "dequant"):
         from moeserve.kernels.nvfp4_gemv import nvfp4_dequant_matmul, nvfp4_gemv
 

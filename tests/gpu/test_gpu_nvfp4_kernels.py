@@ -1,0 +1,52 @@
+"""Every NVFP4 GEMM / MoE kernel path on the GPU against the fp32 torch references, including
+the register-fed mma.sync paths (inline PTX, which the CPU interpreter cannot run). Runs where
+a GPU is: python3 -m pytest -q tests/gpu/test_gpu_nvfp4_kernels.py"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.kernels import moe
+from moeserve.kernels import nvfp4_gemm as nv
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    ref = ref.float()
+    err = (got.float() - ref).abs().max().item()
+    assert err <= 1e-2 * ref.abs().max().item(), (err, ref.abs().max().item())
+
+
+def test_probes_pass():
+    dev = torch.device("cuda")
+    assert nv.probe_decode(dev) == nv.DECODE_ASM
+    assert nv.probe_gemv_mma(dev)
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "gemv_mma", "mma", "dequant"])
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
+def test_gemm_paths(kernel, m):
+    torch.manual_seed(m)
+    n, k = 384, 1536  # N a multiple of every tile, K of the MMA GEMV's 256-wide steps
+    packed, scale, gs = nv.quantize_nvfp4(torch.randn(n, k, device="cuda") * 0.02)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = nv.nvfp4_gemm(x, packed, scale, gs, kernel=kernel)
+    _close(y, nv.nvfp4_gemm_ref(x, packed, scale, gs))
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "gemv_mma", "mma"])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_moe_paths(kernel, m):
+    torch.manual_seed(100 + m)
+    e, h, i, topk = 12, 512, 256, 4
+    parts13 = [nv.quantize_nvfp4(torch.randn(2 * i, h, device="cuda") * 0.05) for _ in range(e)]
+    parts2 = [nv.quantize_nvfp4(torch.randn(h, i, device="cuda") * 0.05) for _ in range(e)]
+    w13, s13, g13 = (torch.stack([p[j] for p in parts13]) for j in range(3))
+    w2, s2, g2 = (torch.stack([p[j] for p in parts2]) for j in range(3))
+    ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(m)]).int()
+    tw = torch.rand(m, topk, device="cuda")
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    y = moe.fused_moe_nvfp4(x, ids, tw, w13, s13, g13, w2, s2, g2, kernel=kernel)
+    _close(y, moe.fused_moe_nvfp4_ref(x, ids, tw, w13, s13, g13, w2, s2, g2))
