@@ -266,7 +266,7 @@ def bench_nvfp4(
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             outs = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             calls = 100 if m <= 64 else 20
-            workspace = nv.SplitKWorkspace.create(m * n, 4096, dev)
+            workspace = nv.SplitKWorkspace.create(max(16, m) * n, 4096, dev)
             kernels = ("gemv",) if m <= GEMV_MAX_BENCH_M else ()
             kernels += ("gemv_mma",) if m <= 16 else ()
             kernels += ("mma",) if m <= 64 else ()
@@ -411,7 +411,7 @@ def bench_fp8(dev: str, sweep: bool, records: list, best_cfgs: dict) -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             outs = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             calls = 100 if m <= 64 else 20
-            workspace = nv.SplitKWorkspace.create(m * n, 4096, dev)
+            workspace = nv.SplitKWorkspace.create(max(16, m) * n, 4096, dev)
             cfgs = [None]
             if sweep and m == 1:
                 bm = 16 if m <= 16 else 64

@@ -126,7 +126,7 @@ class SchemeLinearMethod(LinearMethod):
 
 def _splitk_need(m: int, n: int) -> tuple[int, int]:
     """(fp32 partials, tile counters) a split-K GEMM or GEMV of [m, n] may use, bounded
-    generously: rows rounded up to 16 (GEMV programs own up to 4 rows), tiles at least 16
+    generously: rows rounded up to 16 (GEMV programs own up to 8 rows), tiles at least 16
     columns wide, and at least one row per tile."""
     rows = -(-m // 16) * 16
     return rows * n, rows * -(-n // 16)
