@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.configs import max_rows, tile_config
+from moeserve.kernels.configs import max_rows, min_rows, tile_config
 from moeserve.kernels.nvfp4_gemm import (
     ACC_FIX_EXP,
     NVFP4_BLOCK,
@@ -639,9 +639,9 @@ def fused_moe_nvfp4(
     """Fused NVFP4 MoE, see the module docstring for layouts. Graph-capturable (no host sync);
     temporaries come from the caching allocator (the graph's pool under capture).
     `kernel`: "gemv" (CUDA-core decode path, blocks of a few slots), "gemv_mma" (register-fed
-    mma.sync, blocks of up to 8 slots, GPU only), "mma" (tensor-core tl.dot) or None: GEMV up
-    to the token count of tiles.json's "moe_gemv" table, then gemv_mma up to its table's
-    (where the shapes allow and the start-up probe passed), then mma."""
+    mma.sync, blocks of up to 8 slots, GPU only), "mma" (tensor-core tl.dot) or None:
+    gemv_mma between tiles.json's "moe_gemv_mma" min_m and max_m tokens (where the shapes
+    allow and the start-up probe passed), else GEMV up to "moe_gemv"'s max_m, else mma."""
     _check_moe_args(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs)
     m, h = x.shape
     num_e, two_i, _ = w13.shape
@@ -655,11 +655,9 @@ def fused_moe_nvfp4(
     key = f"{num_e}:{two_i}x{h}"
     if kernel is None:
         kernel = "gemv" if m <= max_rows("moe_gemv", key) else "mma"
-        mma_cfg = tile_config("moe_gemv_mma", m, key)
         if (
-            kernel == "mma"
-            and m <= max_rows("moe_gemv_mma", key)
-            and moe_gemv_mma_supported(w13, w2, mma_cfg)
+            min_rows("moe_gemv_mma", key) <= m <= max_rows("moe_gemv_mma", key)
+            and moe_gemv_mma_supported(w13, w2, tile_config("moe_gemv_mma", m, key))
             and gemv_mma_enabled(x.device)
         ):
             kernel = "gemv_mma"

@@ -535,19 +535,21 @@ def choose_split_k(cfg_split: int, tiles: int, k_tiles: int, device: torch.devic
 
 
 def _default_kernel(m: int, key: str, packed: torch.Tensor, device: torch.device) -> str:
-    """By row count, from tiles.json: the CUDA-core GEMV up to "nvfp4_gemv"'s rows, then the
-    register-fed MMA GEMV up to "nvfp4_gemv_mma"'s (where the shape allows it and the start-up
-    probe passed), the tensor-core GEMM, and dequantize+cuBLAS from "nvfp4_dequant"'s min_m."""
+    """By row count, from tiles.json: the register-fed MMA GEMV between "nvfp4_gemv_mma"'s
+    min_m and max_m (where the shape allows it and the start-up probe passed), else the
+    CUDA-core GEMV up to "nvfp4_gemv"'s rows; dequantize+cuBLAS from "nvfp4_dequant"'s min_m;
+    the tensor-core GEMM between."""
+    if min_rows("nvfp4_gemv_mma", key) <= m <= max_rows("nvfp4_gemv_mma", key):
+        from moeserve.kernels.nvfp4_gemv_mma import mma_supported
+
+        n, k = packed.shape[0], packed.shape[1] * 2
+        bn = tile_config("nvfp4_gemv_mma", m, key)["BLOCK_N"]
+        if mma_supported(n, k, bn, packed) and gemv_mma_enabled(device):
+            return "gemv_mma"
     if m <= max_rows("nvfp4_gemv", key):
         return "gemv"
     if m >= min_rows("nvfp4_dequant", key):
         return "dequant"
-    if m <= max_rows("nvfp4_gemv_mma", key) and gemv_mma_enabled(device):
-        from moeserve.kernels.nvfp4_gemv_mma import mma_supported
-
-        n, k = packed.shape[0], packed.shape[1] * 2
-        if mma_supported(n, k, tile_config("nvfp4_gemv_mma", m, key)["BLOCK_N"], packed):
-            return "gemv_mma"
     return "mma"
 
 
