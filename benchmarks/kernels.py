@@ -27,19 +27,22 @@ MOE_TARGET_PCT = 75.0
 MLA_TARGET_PCT = 80.0
 MLA_FP8_TARGET = 1.7
 LIMITS = (
-    "**NVFP4 GEMV (M <= 4) and the MoE decode path** run on CUDA cores "
-    "(moeserve/kernels/nvfp4_gemv.py). The sm_90a main loop spends about 5.6 instructions per "
-    "weight element: 1.9 integer ops to decode E2M1 (15 per 32-bit word of 8 codes), one f16->f32 "
-    "conversion, one FMA per activation row, and ~1.7 of loads, addresses, masks and the "
-    "activation shuffle through shared memory. At full issue rate that would move ~3.3 TB/s; "
-    "the kernel sustains about two thirds of it, ~50% of HBM on large problems (MoE M=16: "
-    "2.2 TB/s). Register prefetch depth, tile shape and split-K change it by under 10% "
-    "(swept), so it is issue-bound, not latency-bound. A single 4-16 MB layer also pays ~3 us "
-    "of ramp and tail per launch, hence 25-35% there. The tensor-core kernel "
-    "(nvfp4_gemm.py) is slower at M <= 4 because Triton 3.6 routes the decoded weights through "
-    "shared memory into the MMA. Reaching 85% needs the decoded registers fed to mma.sync "
-    "directly (hand-placed fragments) or a load-time repack of the nibbles that halves the "
-    "decode; neither is built. Against torch bf16 (4x the bytes) the GEMV is 1.2-1.7x, not 3x. "
+    "**Decode-sized NVFP4 products** have three paths (moeserve/kernels/): the CUDA-core GEMV "
+    "(nvfp4_gemv.py; 1 row), the register-fed mma.sync GEMV (nvfp4_gemv_mma.py; 1-8 rows per "
+    "weight pass, so MoE blocks of up to 8 slots and dense batches of 2-16 cost about one pass) "
+    "and the tensor-core tl.dot GEMM (nvfp4_gemm.py). All are bound by instruction issue, not by "
+    "HBM: the E2M1 decode alone is 15-19 integer/bf16x2 instructions per 32-bit word of 8 codes "
+    "(sign and 3 value bits must each move to a different place, then the block scale is "
+    "applied), and the CUDA-core path adds an f16->f32 conversion and an FMA per element and "
+    "row. The sm_90a main loops run at ~4.6 (mma.sync) to ~5.6 (CUDA cores) instructions per "
+    "weight element against ~3.9 at full HBM rate; prefetch depth, tile shape and split-K "
+    "change the result by under 10% (swept). Large problems reach ~55% of HBM (MoE M=16/64); "
+    "a single 4-16 MB layer also pays ~3 us of launch ramp and tail, hence 24-34% there. "
+    "Against torch bf16, which reads 4x the bytes, the GEMV is 1.2-1.7x, not 3x. Halving the "
+    "decode needs a load-time repack of the nibbles into a layout that decodes in 2 "
+    "instructions per pair (not built; no such layout exists for ModelOpt's order) or FP4 "
+    "tensor cores (Blackwell). The tl.dot GEMM routes the decoded tile through shared memory "
+    "into wgmma (Triton 3.6), which is why the mma.sync path replaced it up to 16 rows. "
     "**MLA decode**: see kernels_mla.md (tensor-core issue bound: no load/MMA overlap in "
     "Triton 3.6, q.k^T computed by both warpgroups; the FP8 cache still multiplies in bf16)."
 )
@@ -53,7 +56,7 @@ def run(script: str, args: list[str]) -> int:
 
 
 def _gemm_rows(gemm: dict) -> list[dict]:
-    """NVFP4 at M=1: the kernel the library picks (fastest of those timed) per shape."""
+    """NVFP4 at M=1: the fastest path timed per shape (tiles.json makes it the default)."""
     best: dict[str, dict] = {}
     for r in gemm["results"]:
         if r["kernel"].startswith("nvfp4_gemm[") and r["M"] == 1:
@@ -157,6 +160,8 @@ def summarize(out_dir: Path) -> dict:
         "([kernels_gemm_moe.md](kernels_gemm_moe.md)); MLA: commit "
         f"{meta['mla_commit']}, {meta['mla_date']} ([kernels_mla.md](kernels_mla.md)). "
         "Times are per call inside CUDA graphs, weights/caches cycled past L2; % is of 4.3 TB/s.",
+        "",
+        f"MLA provenance: {mla.get('provenance', 'see kernels_mla.json')}",
         "",
         "| target | kernel | measured | limit | met | short by | peer (same run) |",
         "|---|---|---|---|---|---|---|",

@@ -475,7 +475,14 @@ def moe_candidates(m: int, sweep: bool) -> list[tuple[str, dict | None, dict | N
     ]
     if not sweep:
         return cands
-    for mp, bn, dbn, w in ((8, 64, 64, 4), (8, 32, 32, 4), (8, 32, 128, 4), (4, 32, 64, 4)):
+    for mp, bn, dbn, w in (
+        (8, 16, 64, 4),
+        (8, 16, 32, 2),
+        (8, 32, 64, 8),
+        (8, 16, 16, 2),
+        (8, 32, 32, 4),
+        (8, 64, 64, 8),
+    ):
         cfg = dict(MP=mp, BLOCK_N=bn, DOWN_BLOCK_N=dbn, num_warps=w)
         cands.append(("gemv_mma", cfg, None))
     mps = (1,) if m <= 16 else (1, 2)
