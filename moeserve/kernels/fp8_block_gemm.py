@@ -75,6 +75,7 @@ from moeserve.kernels.nvfp4_gemm import (  # noqa: E402
     _splitk_finish,
     choose_split_k,
     interpreting,
+    splitk_buffers,
 )
 
 
@@ -175,14 +176,7 @@ def fp8_block_gemm(
     split = choose_split_k(cfg["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
     k_iters = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, k_iters)
-    if split > 1:
-        if workspace is None:
-            workspace = SplitKWorkspace.create(m * n, grid_n * grid_m, x.device)
-        if workspace.partial.numel() < m * n or workspace.locks.numel() < grid_n * grid_m:
-            raise ValueError("split-K workspace too small for this GEMM")
-        ws, locks = workspace.partial, workspace.locks
-    else:
-        ws, locks = out, out  # unused
+    ws, locks = splitk_buffers(split, workspace, m * n, grid_n * grid_m, out)
     _fp8_block_gemm_kernel[(grid_n, split, grid_m)](
         x,
         w_fp8.view(torch.uint8),

@@ -525,6 +525,20 @@ class SplitKWorkspace:
         )
 
 
+def splitk_buffers(
+    split: int, workspace: SplitKWorkspace | None, elems: int, tiles: int, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partials, tile counters) for a launch that splits K `split` ways: the caller's
+    workspace (checked to fit) or a fresh zeroed one; unused placeholders when split == 1."""
+    if split == 1:
+        return out, out
+    if workspace is None:
+        workspace = SplitKWorkspace.create(elems, tiles, out.device)
+    if workspace.partial.numel() < elems or workspace.locks.numel() < tiles:
+        raise ValueError("split-K workspace too small for this GEMM")
+    return workspace.partial, workspace.locks
+
+
 def choose_split_k(cfg_split: int, tiles: int, k_tiles: int, device: torch.device) -> int:
     """Config value if > 0, else enough K-splits to reach CTAS_PER_SM_TARGET programs per SM
     (each split keeping >= 2 K-iterations)."""
@@ -630,14 +644,7 @@ def nvfp4_gemm(
     split = choose_split_k(cfg["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
     k_iters = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, k_iters)
-    if split > 1:
-        if workspace is None:
-            workspace = SplitKWorkspace.create(m * n, grid_n * grid_m, x.device)
-        if workspace.partial.numel() < m * n or workspace.locks.numel() < grid_n * grid_m:
-            raise ValueError("split-K workspace too small for this GEMM")
-        ws, locks = workspace.partial, workspace.locks
-    else:
-        ws, locks = out, out  # unused
+    ws, locks = splitk_buffers(split, workspace, m * n, grid_n * grid_m, out)
     _nvfp4_gemm_kernel[(grid_n, split, grid_m)](
         x,
         packed.view(torch.int32),

@@ -23,16 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.nvfp4_gemm import (
-    DECODE_ARITH,
-    DECODE_ASM,
-    DECODE_BITS,
-    NVFP4_BLOCK,
-    SplitKWorkspace,
-    choose_split_k,
-    interpreting,
-    nvfp4_gemm_ref,
-)
+from moeserve.kernels.nvfp4_gemm import SplitKWorkspace, choose_split_k, splitk_buffers
 
 GEMV_F16_EXP = tl.constexpr(14)  # decoded f16 values are E2M1 * 2^-14
 
@@ -412,22 +403,14 @@ def nvfp4_gemv(
     """out [M, N] = x [M, K] @ dequant(W)^T on CUDA cores; arguments checked by nvfp4_gemm."""
     m, k = x.shape
     n = packed.shape[0]
-    cfg = config
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bn, bk = config["BLOCK_N"], config["BLOCK_K"]
     mp = gemv_rows_per_program(m)
     grid_n, grid_m = triton.cdiv(n, bn), triton.cdiv(m, mp)
     k_tiles = triton.cdiv(k, bk)
-    split = choose_split_k(cfg["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
+    split = choose_split_k(config["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
     k_iters = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, k_iters)
-    if split > 1:
-        if workspace is None:
-            workspace = SplitKWorkspace.create(grid_m * mp * n, grid_n * grid_m, x.device)
-        if workspace.partial.numel() < grid_m * mp * n or workspace.locks.numel() < grid_n * grid_m:
-            raise ValueError("split-K workspace too small for this GEMV")
-        ws, locks = workspace.partial, workspace.locks
-    else:
-        ws, locks = out, out  # unused
+    ws, locks = splitk_buffers(split, workspace, grid_m * mp * n, grid_n * grid_m, out)
     _nvfp4_gemv_kernel[(grid_n, split, grid_m)](
         x,
         packed.view(torch.int32),
@@ -447,20 +430,8 @@ def nvfp4_gemv(
         SPLIT_K=split,
         K_ITERS=k_iters,
         DECODE=decode,
-        PREFETCH=cfg.get("PREFETCH", 1),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        PREFETCH=config.get("PREFETCH", 1),
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
     return out
-
-
-__all__ = [
-    "DECODE_ARITH",
-    "DECODE_ASM",
-    "DECODE_BITS",
-    "GEMV_MAX_M",
-    "NVFP4_BLOCK",
-    "interpreting",
-    "nvfp4_gemm_ref",
-    "nvfp4_gemv",
-]

@@ -33,7 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.nvfp4_gemm import ACC_FIX_EXP, SplitKWorkspace, choose_split_k
+from moeserve.kernels.nvfp4_gemm import (
+    ACC_FIX_EXP,
+    SplitKWorkspace,
+    choose_split_k,
+    splitk_buffers,
+)
 
 MMA_TOKENS = tl.constexpr(
     8
@@ -251,14 +256,7 @@ def nvfp4_gemv_mma(
     want = choose_split_k(config["SPLIT_K"], grid_n * grid_m, steps, x.device)
     split = max(d for d in range(1, steps + 1) if steps % d == 0 and d <= want)
     rows = grid_m * MMA_TOKENS.value
-    if split > 1:
-        if workspace is None:
-            workspace = SplitKWorkspace.create(rows * n, grid_n * grid_m, x.device)
-        if workspace.partial.numel() < rows * n or workspace.locks.numel() < grid_n * grid_m:
-            raise ValueError("split-K workspace too small for this GEMV")
-        ws, locks = workspace.partial, workspace.locks
-    else:
-        ws, locks = out, out  # unused
+    ws, locks = splitk_buffers(split, workspace, rows * n, grid_n * grid_m, out)
     _nvfp4_gemv_mma_kernel[(grid_n, split, grid_m)](
         x,
         packed.view(torch.int32),

@@ -267,3 +267,21 @@ def test_dequant_matmul_matches_reference(m, n, k, monkeypatch):
     cfg = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4)
     y = nv.nvfp4_gemm(x, packed, scale, gs, config=cfg, decode=nv.DECODE_BITS, kernel="dequant")
     _assert_matches_ref(y, x, packed, scale, gs)
+
+
+def test_default_kernel_by_rows(monkeypatch):
+    # tiles.json's row ranges decide the path; the MMA GEMV only where the probe passed and
+    # the shape has whole 256-wide K steps and row tiles.
+    x, packed, scale, gs = _case(1, 128, 512)
+    choice = nv._default_kernel
+    assert choice(1, "128x512", packed, torch.device("cpu")) == "gemv"
+    assert choice(4, "128x512", packed, torch.device("cpu")) == "gemv"  # no probe on a CPU
+    assert choice(20, "128x512", packed, torch.device("cpu")) == "mma"
+    assert choice(64, "128x512", packed, torch.device("cpu")) == "dequant"
+    monkeypatch.setattr(nv, "gemv_mma_enabled", lambda device: True)
+    assert choice(1, "128x512", packed, torch.device("cpu")) == "gemv"
+    assert choice(4, "128x512", packed, torch.device("cpu")) == "gemv_mma"
+    assert choice(16, "128x512", packed, torch.device("cpu")) == "gemv_mma"
+    assert choice(20, "128x512", packed, torch.device("cpu")) == "mma"
+    _, odd, _, _ = _case(1, 96, 512)  # 96 rows: not a multiple of the MMA GEMV's 64-row tile
+    assert choice(4, "96x512", odd, torch.device("cpu")) == "gemv"
