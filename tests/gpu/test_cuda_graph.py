@@ -158,3 +158,37 @@ def test_bigger_batches_run_eagerly(tmp_path):
     assert not g.replays  # 5 sequences > 4: every decode step ran eagerly
     ref = _generate(LLM(path, enforce_eager=True, **kw), prompts, [8] * 5)
     assert [[t for t, _, _ in r] for r in got] == [[t for t, _, _ in r] for r in ref]
+
+
+def test_graph_decode_with_mma_moe(tmp_path, monkeypatch):
+    """A shape the register-fed mma.sync MoE accepts (H, I multiples of 256): decode batches
+    of 5+ sequences take that path, eager and inside the graphs, with the same tokens."""
+    from dataclasses import replace
+
+    from moeserve.kernels import moe
+
+    calls = Counter()
+    real = moe._moe_gemv_mma
+
+    def counted(*args, **kwargs):
+        calls[args[0].shape[0]] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe, "_moe_gemv_mma", counted)
+    path = str(tmp_path / "kimi256")
+    write_checkpoint(
+        path, "kimi-k2.5", "nvfp4-modelopt", shape=replace(SHAPE, moe_intermediate=256), seed=2
+    )
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=8,
+              enable_prefix_caching=False)  # fmt: skip
+    eager = LLM(path, enforce_eager=True, **kw)
+    graph = LLM(path, **kw)
+    assert graph.engine.runner.graphs is not None, graph.engine.runner.graph_status
+    prompts, lengths = _prompts(5), [STEPS, 20, STEPS - 4, 8, 12]
+    calls.clear()
+    ref = _generate(eager, prompts, lengths)
+    print(f"\n  eager MMA-MoE calls by token count {dict(calls)}")
+    assert calls[5] > 0  # the 5-sequence decode steps ran the mma.sync MoE
+    got = _generate(graph, prompts, lengths)
+    problems = _compare(ref, got)
+    assert not problems, problems
