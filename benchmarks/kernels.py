@@ -100,14 +100,20 @@ def _moe_rows(gemm: dict) -> list[dict]:
     ]
 
 
+def _cache(r: dict) -> str:
+    """ "bf16" / "fp8" from a decode row (kernels_mla.py writes the torch dtype)."""
+    return r.get("cache") or ("fp8" if "float8" in r["dtype"] else "bf16")
+
+
 def _mla_rows(mla: dict) -> list[dict]:
-    bf16 = [r for r in mla["decode"] if r["cache"] == "bf16"]
+    decode = [r for r in mla["decode"] if "triton" in r]
+    bf16 = [r for r in decode if _cache(r) == "bf16"]
     pcts = [r["triton"]["pct_hbm"] for r in bf16]
     sp = [r["speedup_vs_torch"] for r in bf16]
     fp8_32k = [
         r["fp8_speedup_vs_bf16"]
-        for r in mla["decode"]
-        if r["cache"] == "fp8" and r["ctx"] == 32768 and "fp8_speedup_vs_bf16" in r
+        for r in decode
+        if _cache(r) == "fp8" and r["ctx"] == 32768 and "fp8_speedup_vs_bf16" in r
     ]
     rows = [
         {
