@@ -43,7 +43,7 @@ LIMITS = (
     "instructions per pair (not built; no such layout exists for ModelOpt's order) or FP4 "
     "tensor cores (Blackwell). The tl.dot GEMM routes the decoded tile through shared memory "
     "into wgmma (Triton 3.6), which is why the mma.sync path replaced it up to 16 rows. "
-    "**MLA decode**: see kernels_mla.md (tensor-core issue bound: no load/MMA overlap in "
+    "**MLA decode**: see kernels_mla_analysis.md (tensor-core issue bound: no load/MMA overlap in "
     "Triton 3.6, q.k^T computed by both warpgroups; the FP8 cache still multiplies in bf16)."
 )
 
@@ -188,18 +188,20 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also try candidate tile configs")
     ap.add_argument("--only", default="gemm,mla", help="comma list of: gemm, mla")
     ap.add_argument("--summary-only", action="store_true")
+    ap.add_argument("--commit", default=None, help="commit id to record (the GPU machine's copy)")
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rc = 0
     if not args.summary_only:
         only = set(args.only.split(","))
+        commit = ["--commit", args.commit] if args.commit else []
         if "gemm" in only:
-            rc |= run("kernels_gemm_moe.py", ["--out-dir", str(out)] + ["--sweep"] * args.sweep)
+            gemm_args = ["--out-dir", str(out)] + ["--sweep"] * args.sweep
+            rc |= run("kernels_gemm_moe.py", gemm_args + commit)
         if "mla" in only:
-            rc |= run(
-                "kernels_mla.py", ["--out", str(out)] + ([] if args.sweep else ["--skip-sweep"])
-            )
+            mla_args = ["--out", str(out)] + ([] if args.sweep else ["--skip-sweep"])
+            rc |= run("kernels_mla.py", mla_args + commit)
     summary = summarize(out)
     for r in summary["targets"]:
         print(f"{'MET ' if r['met'] else 'MISS'} {r['target']}: {r['figure']} (limit {r['limit']})")

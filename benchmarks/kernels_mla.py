@@ -669,7 +669,9 @@ def kernel_diagnostics() -> list[dict]:
     return rows
 
 
-def meta(device: str) -> dict:
+def meta(device: str, commit_arg: str | None = None) -> dict:
+    """Run provenance. Pass `commit` where the checkout's git metadata may be stale (the GPU
+    machine's copy of the tree)."""
     try:
         commit = (
             subprocess.run(
@@ -682,7 +684,7 @@ def meta(device: str) -> dict:
         commit = "uncommitted"
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "cpu (interpreter smoke)"
     return {
-        "git_commit": commit,
+        "git_commit": commit_arg or commit,
         "gpu": gpu,
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -799,6 +801,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true", help="use DEFAULT_CONFIG")
     ap.add_argument("--sections", default="check,sweep,diagnostics,decode,pages,write,prefill")
+    ap.add_argument("--commit", default=None, help="commit id to record (default: git)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
     smoke = args.smoke
@@ -812,7 +815,7 @@ def main() -> None:
     )
     sms = 132 if smoke else torch.cuda.get_device_properties(0).multi_processor_count
     torch.manual_seed(0)
-    res: dict = {"meta": meta(device), "notes": []}
+    res: dict = {"meta": meta(device, args.commit), "notes": []}
     print(json.dumps(res["meta"]), flush=True)
     t_start = time.time()
 
