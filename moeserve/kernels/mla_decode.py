@@ -27,10 +27,10 @@ scalar scale is folded into the softmax scale and the final normalisation, so no
 per-element multiply is spent on it. Stage 2 merges the per-split partial outputs with
 their log-sum-exp. With one split, stage 1 writes ``out`` directly and stage 2 is skipped.
 
-Performance (H200, benchmarks/results/kernels_mla.md): up to 48% of HBM bandwidth for a
+Performance (H200, benchmarks/results/kernels_mla.md): up to 47-48% of HBM bandwidth for a
 BF16 cache at batch 64 / 128k, 3x the torch peer; FP8 is 0.7-0.9x BF16 speed (the kernel is
-tensor-core-issue bound, see the results file for why). ``num_splits`` should fill whole
-waves of CTAs: ``default_num_splits`` does that.
+tensor-core-issue bound, see benchmarks/results/kernels_mla_analysis.md for why).
+``num_splits`` should fill whole waves of CTAs: ``default_num_splits`` does that.
 
 CUDA graphs: every launch shape depends only on tensor shapes and ``num_splits`` (never on
 ``seq_lens`` values), and the per-split partials live in a :class:`MLADecodeWorkspace`.
@@ -69,7 +69,7 @@ MAX_SPLITS = 1024
 @dataclass(frozen=True)
 class MLADecodeConfig:
     """Launch parameters of the split kernel. The default won the H200 sweep for both BF16
-    and FP8 caches (benchmarks/results/kernels_mla.md); the other knobs are kept because
+    and FP8 caches (benchmarks/results/kernels_mla_analysis.md); the other knobs are kept because
     they are measured there and may win on other GPUs or Triton versions."""
 
     block_h: int = 64  # heads per program; >= 16 (tl.dot minimum), power of two
