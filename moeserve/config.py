@@ -6,9 +6,10 @@ checkpoint's description into one `ModelConfig`, once.
 
 from __future__ import annotations
 
+import argparse
 import logging
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import Any, get_args, get_type_hints
 
 import torch
 
@@ -165,6 +166,10 @@ class ModelConfig:
 
     @staticmethod
     def _deepseek_from_hf(c: dict[str, Any]) -> ModelConfig:
+        # fields a producer omits take that producer's defaults: transformers' DeepseekV3Config
+        # writes no topk_method / scoring_func (noaux_tc + sigmoid are implied) and has its own
+        # group-routing defaults; DeepSeek-V2 keeps V2's greedy softmax routing
+        c = {**_deepseek_defaults(c), **c}
         common = ModelConfig._common(c)
         nextn = int(c.get("num_nextn_predict_layers") or 0)
         if nextn:
@@ -181,14 +186,14 @@ class ModelConfig:
             n_shared_experts=c.get("n_shared_experts") or 0,
             num_experts_per_tok=c.get("num_experts_per_tok") or 0,
             moe_intermediate_size=c.get("moe_intermediate_size") or 0,
-            first_k_dense_replace=c.get("first_k_dense_replace", 0),
-            moe_layer_freq=c.get("moe_layer_freq", 1),
+            first_k_dense_replace=c.get("first_k_dense_replace") or 0,
+            moe_layer_freq=c.get("moe_layer_freq") or 1,
             n_group=c.get("n_group") or 1,
             topk_group=c.get("topk_group") or 1,
-            topk_method=c.get("topk_method", "greedy"),
-            scoring_func=c.get("scoring_func", "softmax"),
-            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
-            norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+            topk_method=c["topk_method"],
+            scoring_func=c["scoring_func"],
+            routed_scaling_factor=float(c["routed_scaling_factor"]),
+            norm_topk_prob=bool(c["norm_topk_prob"]),
             num_nextn_predict_layers=nextn,
             attention_bias=bool(c.get("attention_bias", False)),
             **common,
@@ -215,6 +220,58 @@ class ModelConfig:
             tie_word_embeddings=bool(meta.get("tie_word_embeddings", False)),
             dtype=torch.float32,
         )
+
+
+# transformers' DeepseekV3Config defaults (v5 writes neither topk_method nor scoring_func:
+# its routing is always noaux_tc with sigmoid scores and a correction bias)
+DEEPSEEK_V3_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    n_group=8,
+    topk_group=4,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    norm_topk_prob=True,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    moe_layer_freq=1,
+)
+# DeepSeek-V2's own routing defaults (greedy top-k over softmax scores, no renormalising)
+DEEPSEEK_V2_DEFAULTS: dict[str, Any] = dict(
+    topk_method="greedy",
+    scoring_func="softmax",
+    routed_scaling_factor=1.0,
+    norm_topk_prob=False,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=0,
+    moe_layer_freq=1,
+)
+
+
+def _deepseek_defaults(c: dict[str, Any]) -> dict[str, Any]:
+    """The producer's defaults for a DeepSeek-family config dict: V2's for model_type
+    deepseek_v2, else transformers' DeepseekV3Config (deepseek_v3, kimi_k2, Moonlight)."""
+    kind = c.get("model_type")
+    if kind is None:
+        archs = c.get("architectures") or [""]
+        kind = "deepseek_v2" if archs[0].startswith("DeepseekV2") else "deepseek_v3"
+    return DEEPSEEK_V2_DEFAULTS if kind == "deepseek_v2" else DEEPSEEK_V3_DEFAULTS
 
 
 _DTYPES = {
@@ -258,28 +315,178 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-@dataclass(frozen=True)
-class CacheConfig:
-    page_size: int = 16
-    num_pages: int | None = None  # None: sized from free memory
-    kv_cache_dtype: str = "auto"  # auto | bf16 | fp8 (MLA) ; auto follows the checkpoint
-    enable_prefix_caching: bool = True
-    memory_fraction: float = 0.9  # GPU: share of free memory the KV cache may take
-    cpu_memory_fraction: float = 0.25  # CPU: share of available RAM the KV cache may take
-    cpu_max_kv_gib: float = 2.0  # CPU: and at most this much
+# ---- engine and server settings ------------------------------------------------------------
+# Each setting is declared once, here, with its default and help text; CLI flags
+# (`add_config_arguments`) and `build_engine(**settings)` (`EngineConfig.from_settings`) derive
+# from these declarations.
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    short: str | None = None,
+    choices: tuple[Any, ...] | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    negate: str | None = None,
+    cli: bool = True,
+) -> Any:
+    """A config field that is also a command-line flag.
+
+    `flag`: the option name (default `--field-name`); `short`: an extra alias (e.g. `-tp`);
+    `minimum`/`maximum`: inclusive bounds checked for the CLI and for programmatic use;
+    `negate`: for a boolean that defaults to True, the flag that turns it off;
+    `cli=False`: a setting the CLI does not expose (filled by the program).
+    """
+    meta = dict(
+        help=help,
+        flag=flag,
+        short=short,
+        choices=choices,
+        minimum=minimum,
+        maximum=maximum,
+        negate=negate,
+        cli=cli,
+    )
+    return field(default=default, metadata=meta)
+
+
+def _check_settings(obj: Any) -> None:
+    """Bounds and choices of every `setting` field (one sentence per violation)."""
+    for f in fields(obj):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        v = getattr(obj, f.name)
+        if v is None or isinstance(v, bool):
+            continue
+        name = _flag_name(f)
+        if meta["choices"] is not None and v not in meta["choices"]:
+            choices = ", ".join(str(c) for c in meta["choices"])
+            raise ConfigError(f"{name} must be one of {choices}, got {v!r}")
+        if meta["minimum"] is not None and v < meta["minimum"]:
+            raise ConfigError(f"{name} must be at least {meta['minimum']}, got {v!r}")
+        if meta["maximum"] is not None and v > meta["maximum"]:
+            raise ConfigError(f"{name} must be at most {meta['maximum']}, got {v!r}")
+
+
+def _flag_name(f: Any) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+class _Settings:
+    """Base of the settings dataclasses: checks bounds on construction."""
+
+    def __post_init__(self) -> None:
+        _check_settings(self)
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # per step: decode tokens + one prefill chunk
-    max_model_len: int = 4096
+class LoadConfig(_Settings):
+    """What to load and how: the model path is given separately (positional on the CLI)."""
+
+    dtype: str = setting(
+        "auto",
+        "activation dtype (auto: bfloat16 on GPUs and on CPUs with bf16 instructions, "
+        "else float32)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    quantization: str = setting(
+        "auto",
+        "CPU weight-only kernels for GGUF models (auto: int4 for 4-bit files, int8 otherwise, "
+        "when activations are bf16)",
+        choices=("auto", "none", "int4", "int8"),
+    )
+    load_format: str = setting(
+        "auto",
+        "dummy: random weights in the serving format, from config.json alone",
+        choices=("auto", "dummy"),
+    )
+    num_layers: int | None = setting(
+        None, "use only the first N layers (benchmarks with --load-format dummy)", minimum=1
+    )
+    device: str | None = setting(None, "cpu or cuda[:N] (default: cuda if present)")
+    seed: int = setting(0, "seed of the default random generators and of dummy weights")
+    threads: int | None = setting(None, "CPU threads for torch", minimum=1)
+    deterministic: bool | None = setting(
+        None,
+        "batch-invariant attention (Llama path): a greedy request gives the same tokens alone "
+        "or batched (default: on for CPUs, where it costs little; see benchmarks/results/"
+        "cpu_decode.md)",
+    )
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    tensor_parallel_size: int = 1
-    rank: int = 0
+class CacheConfig(_Settings):
+    page_size: int = setting(16, "tokens per KV page", minimum=1)
+    num_pages: int | None = setting(
+        None, "KV cache pages (default: sized from the memory left after weights)", minimum=1
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "MLA latent cache dtype (auto follows the checkpoint)",
+        choices=("auto", "bf16", "fp8"),
+    )
+    enable_prefix_caching: bool = setting(
+        True, "disable the prefix cache", negate="--no-prefix-caching"
+    )
+    gpu_memory_utilization: float = setting(
+        0.90,
+        "GPU: share of the GPU's memory that weights, activations, CUDA graphs and the KV cache "
+        "may take together",
+        minimum=0.05,
+        maximum=1.0,
+    )
+    cpu_memory_fraction: float = setting(
+        0.25, "CPU: share of available RAM the KV cache may take", minimum=0.01, maximum=1.0
+    )
+    cpu_max_kv_gib: float = setting(2.0, "CPU: and at most this many GiB", minimum=0.001)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(_Settings):
+    max_num_seqs: int = setting(64, "most sequences in one batch", minimum=1)
+    max_num_batched_tokens: int = setting(
+        2048, "token budget of one step (prefill chunk size)", minimum=1
+    )
+    max_model_len: int | None = setting(
+        None, "context length (default: the model's, capped by what the KV cache holds)", minimum=1
+    )
+
+
+@dataclass(frozen=True)
+class ParallelConfig(_Settings):
+    tensor_parallel_size: int = setting(
+        1,
+        "GPUs (ranks) one model is split over: attention heads, dense/shared-expert "
+        "intermediate dims and the vocabulary are sharded",
+        short="-tp",
+        minimum=1,
+    )
+    enable_expert_parallel: bool = setting(
+        False,
+        "routed experts whole per rank (E / tp each) instead of split along their "
+        "intermediate dim; combined in the same all-reduce",
+    )
+    distributed_executor: str = setting(
+        "mp",
+        "mp: one process per GPU of this host (spawned); torchrun: launched by torchrun "
+        "(several hosts: torchrun --nnodes H --nproc-per-node G -m moeserve.cli serve ...)",
+        choices=("mp", "torchrun"),
+    )
+    all_reduce: str = setting(
+        "auto",
+        "all-reduce implementation (auto: one-shot over peer memory for small messages where "
+        "GPUs reach each other, NCCL otherwise)",
+        choices=("auto", "nccl", "one-shot"),
+    )
+    dist_timeout_s: float = setting(
+        300.0,
+        "seconds a start-up collective may wait before the server exits with one line",
+        minimum=1.0,
+    )
 
     @property
     def tp_size(self) -> int:
@@ -287,31 +494,190 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    model: str
-    model_config: ModelConfig
+class EngineConfig(_Settings):
+    """Every engine setting, grouped; `from_settings` builds it from flat keyword arguments."""
+
+    model: str | None = setting(None, "model path", cli=False)
+    load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-    seed: int = 0
     # GPU decode: replay captured CUDA graphs for decode-only batches of up to this many
     # sequences (capped by scheduler.max_num_seqs); enforce_eager never captures
-    enforce_eager: bool = False
-    cuda_graph_max_bs: int = 256
+    enforce_eager: bool = setting(
+        False, "GPU: run every step eagerly (no CUDA-graph capture of decode steps)"
+    )
+    cuda_graph_max_bs: int = setting(
+        256,
+        "GPU: largest decode batch replayed from a CUDA graph (capped by --max-num-seqs); "
+        "bigger batches run eagerly",
+        minimum=1,
+    )
 
-    @property
-    def graph_max_batch(self) -> int:
-        """Largest decode batch replayed from a CUDA graph (0: graphs off)."""
-        if self.enforce_eager or not self.device.startswith("cuda"):
+    profile_decode: int = setting(
+        0,
+        "profile N decode steps once decoding runs, print where the step time goes by "
+        "component (attention, MLA decode, router, experts, norms, all-reduce, GPU idle) and "
+        "export it on /metrics",
+        minimum=0,
+    )
+
+    def graph_max_batch(self, device: str) -> int:
+        """Largest decode batch replayed from a CUDA graph on `device` (0: graphs off)."""
+        if self.enforce_eager or not device.startswith("cuda"):
             return 0
         return max(0, min(self.cuda_graph_max_bs, self.scheduler.max_num_seqs))
 
+    @classmethod
+    def from_settings(cls, model: str | None = None, **settings: Any) -> EngineConfig:
+        """From flat keyword settings (`max_num_seqs=8, tensor_parallel_size=2, ...`), each
+        routed to the group that declares it; an unknown name is a TypeError."""
+        return config_from_flat(cls, dict(settings, model=model))
+
 
 @dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str = "default"
+class ServerConfig(_Settings):
+    host: str = setting("127.0.0.1", "bind address (default: loopback)")
+    port: int = setting(8000, "TCP port", minimum=0, maximum=65535)
+    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY'")
+    served_model_name: str = setting(
+        "default", "model name in the API (default: the model file or folder name)", cli=False
+    )
+    reasoning_parser: str | None = setting(
+        None, "split reasoning from content", choices=("none", "kimi_k2", "deepseek_r1")
+    )
+    tool_call_parser: str | None = setting(
+        None, "parse tool calls from the output", choices=("none", "kimi_k2")
+    )
+    log_level: str = setting(
+        "info", "logging level", choices=("debug", "info", "warning", "error", "critical")
+    )
+    max_request_body: int = setting(
+        4 << 20, "largest request body in bytes, checked before parsing (413 beyond it)", minimum=1
+    )
+    max_queue_len: int = setting(
+        256,
+        "engine requests that may wait for a batch slot; beyond it new requests get 429 with "
+        "Retry-After",
+        minimum=1,
+    )
+    max_choices_per_request: int = setting(
+        256, "most engine requests one HTTP request may start (prompts x n)", minimum=1
+    )
+    request_timeout: float | None = setting(
+        None,
+        "seconds a generation request may run; past it it is aborted (408, or an error event "
+        "in a stream)",
+        minimum=0.001,
+    )
+    shutdown_timeout: float = setting(
+        30.0,
+        "seconds SIGTERM waits for running requests to finish before exiting (a second SIGTERM "
+        "exits at once)",
+        minimum=0.0,
+    )
+
+
+# ---- settings <-> flags ---------------------------------------------------------------------
+def _is_group(tp: Any) -> bool:
+    return isinstance(tp, type) and is_dataclass(tp)
+
+
+def _scalar_type(tp: Any) -> type:
+    """int / float / str / bool of an annotation like `int | None`."""
+    args = [a for a in get_args(tp) if a is not type(None)] or [tp]
+    return args[0]
+
+
+def _parse(kind: type, f: Any) -> Any:
+    name = _flag_name(f)
+
+    def parse(s: str) -> Any:
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} expects a {kind.__name__}, got {s!r}"
+            ) from None
+        lo, hi = f.metadata["minimum"], f.metadata["maximum"]
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            bounds = (
+                f"at least {lo}"
+                if hi is None
+                else f"at most {hi}"
+                if lo is None
+                else f"in [{lo}, {hi}]"
+            )
+            raise argparse.ArgumentTypeError(f"{name} must be {bounds}, got {s!r}")
+        return v
+
+    return parse
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per `setting` field of `cls` (and of its nested groups)."""
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        tp = hints[f.name]
+        if _is_group(tp):
+            add_config_arguments(parser, tp)
+            continue
+        meta = f.metadata
+        if not meta.get("cli", False):
+            continue
+        names = [_flag_name(f)] + ([meta["short"]] if meta["short"] else [])
+        kind = _scalar_type(tp)
+        if kind is bool:
+            if meta["negate"]:
+                parser.add_argument(
+                    meta["negate"], dest=f.name, action="store_false", help=meta["help"]
+                )
+            else:
+                parser.add_argument(*names, dest=f.name, action="store_true", help=meta["help"])
+            parser.set_defaults(**{f.name: f.default})
+            continue
+        default = f.default
+        shown = "" if default is None else f" (default: {default})"
+        parser.add_argument(
+            *names,
+            dest=f.name,
+            type=_parse(kind, f),
+            default=default,
+            choices=meta["choices"],
+            help=meta["help"] + shown,
+        )
+
+
+def config_from_args(cls: type, args: argparse.Namespace, **extra: Any) -> Any:
+    """The config `cls` from parsed flags (settings the CLI does not expose keep their
+    defaults unless given in `extra`)."""
+    flat = {k: v for k, v in vars(args).items() if k in setting_names(cls)}
+    flat.update(extra)
+    return config_from_flat(cls, flat)
+
+
+def setting_names(cls: type) -> set[str]:
+    hints = get_type_hints(cls)
+    out: set[str] = set()
+    for f in fields(cls):
+        out |= setting_names(hints[f.name]) if _is_group(hints[f.name]) else {f.name}
+    return out
+
+
+def config_from_flat(cls: type, flat: dict[str, Any]) -> Any:
+    """Build `cls` from flat setting names, routing each to the nested group declaring it."""
+    unknown = set(flat) - setting_names(cls)
+    if unknown:
+        raise TypeError(f"unknown setting(s) for {cls.__name__}: {', '.join(sorted(unknown))}")
+
+    def build(c: type) -> Any:
+        hints = get_type_hints(c)
+        kw = {}
+        for f in fields(c):
+            if _is_group(hints[f.name]):
+                kw[f.name] = build(hints[f.name])
+            elif f.name in flat:
+                kw[f.name] = flat[f.name]
+        return c(**kw)
+
+    return build(cls)

@@ -1,17 +1,16 @@
 """CUDA-graph capture and replay of decode steps (the runner's GPU path).
 
-Captured: the model forward (ids, positions, attention metadata -> hidden states) of a
-decode-only batch (one new token per sequence), once per padded batch size of
-`capture_sizes`, all into one graph memory pool, largest first (the smaller graphs reuse its
-blocks). Logits, sampling, and prefill / mixed / larger batches stay eager.
+Captured: the runner's decode forward (ids, positions, page-table rows, seq_lens -> hidden
+states; the attention metadata is derived inside the graph from the runner's persistent page
+table) of a decode-only batch, once per padded batch size of `capture_sizes`, all into one
+graph memory pool, largest first (the smaller graphs reuse its blocks). Logits, sampling, and
+prefill / mixed / larger batches stay eager.
 
-Static inputs: ids, positions and slots ([3, max_batch] int64), seq_lens ([max_batch] int32)
-and block tables ([max_batch, max_pages] int32); the graph of size P reads their first P rows.
-A batch of b sequences pads to the next captured size. Padding rows are harmless without a
-reserved page: slot -1 (write_mla_cache skips negative slots) and seq_len 0 (mla_decode reads
-no cache row for them and outputs zeros), so they neither write nor read the KV cache; their
-hidden rows are computed and dropped. Block-table entries past a sequence's pages may hold
-stale page ids from earlier steps: the kernels never read past seq_lens.
+Static inputs: one int64 [4, max_batch] buffer (ids, positions, rows, seq_lens); the graph of
+size P reads its first P columns. A batch of b sequences pads to the next captured size with
+harmless columns: the padding row of the page table (all zeros, never written), position 0
+and seq_len 0, so the slot is negative (write_mla_cache skips it) and mla_decode reads no
+cache row for them; their hidden rows are computed and dropped.
 
 Only models in which no module declares `supports_cuda_graph = False` are captured (the
 Triton MLA decode and the fused NVFP4 MoE are capturable; torch paths that loop over
@@ -28,17 +27,14 @@ import bisect
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
-
 log = logging.getLogger(__name__)
 
-PAD_SLOT = -1  # write_mla_cache skips negative slots
-PAD_SEQ_LEN = 0  # mla_decode reads nothing and writes zeros for an empty sequence
+NUM_INPUTS = 4  # ids, positions, rows, seq_lens
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -56,17 +52,6 @@ def padded_size(batch: int, sizes: Sequence[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def pad_rows(
-    ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int], size: int
-) -> tuple[list[list[int]], list[int]]:
-    """([ids, positions, slots] and seq_lens) padded to `size` rows with harmless values."""
-    pad = size - len(ids)
-    if pad < 0:
-        raise ValueError(f"batch of {len(ids)} does not fit a graph of {size}")
-    rows = [ids + [0] * pad, positions + [0] * pad, slots + [PAD_SLOT] * pad]
-    return rows, seq_lens + [PAD_SEQ_LEN] * pad
-
-
 def graph_blockers(model: nn.Module) -> list[str]:
     """Class names of the modules that declare they cannot be captured."""
     return sorted(
@@ -74,25 +59,32 @@ def graph_blockers(model: nn.Module) -> list[str]:
     )
 
 
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class DecodeGraphs:
     """One captured decode forward per size in `sizes`, sharing static inputs and a pool."""
 
     def __init__(
         self,
+        forward: DecodeForward,
         model: nn.Module,
         device: torch.device,
         max_batch: int,
-        max_pages: int,
-        page_size: int,
+        pad_row: int,
+        max_context: int,
     ) -> None:
+        """`forward(ids, positions, rows, seq_lens)`: the decode forward to capture;
+        `model`: whose modules get `prepare_cuda_graph`; `pad_row`: the page-table row of
+        padding columns."""
+        self.forward = forward
         self.model = model
         self.device = device
         self.sizes = capture_sizes(max_batch)
-        self.max_pages = max_pages
-        self.page_size = page_size
+        self.pad_row = pad_row
+        self.max_context = max_context
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.contexts: dict[int, ForwardContext] = {}
         self.replays: Counter[int] = Counter()  # padded size -> replays (tests, metrics)
         self.capture_seconds = 0.0
 
@@ -101,77 +93,54 @@ class DecodeGraphs:
         return self.sizes[-1] if self.sizes else 0
 
     def allocate_inputs(self) -> None:
-        """The static input buffers, holding padding rows."""
-        n, dev = self.max_batch, self.device
-        self.inputs = torch.zeros(3, n, dtype=torch.int64, device=dev)  # ids, positions, slots
-        self.inputs[2].fill_(PAD_SLOT)
-        self.seq_lens = torch.full((n,), PAD_SEQ_LEN, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, self.max_pages, dtype=torch.int32, device=dev)
-        self.query_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        """The static input buffer, and the padding columns it is reset from."""
+        n = self.max_batch
+        self.padding = torch.zeros(NUM_INPUTS, n, dtype=torch.int64, device=self.device)
+        self.padding[2].fill_(self.pad_row)  # ids 0, position 0, seq_len 0
+        self.inputs = self.padding.clone()
+
+    def _run_forward(self, size: int) -> torch.Tensor:
+        ids, pos, rows, lens = self.inputs[:, :size]
+        return self.forward(ids, pos, rows, lens)
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
-        n, dev = self.max_batch, self.device
         self.allocate_inputs()
         shared: dict = {}  # scratch that all layers of one kind share
         for m in self.model.modules():
             hook = getattr(m, "prepare_cuda_graph", None)
             if hook is not None:
-                hook(n, self.max_pages * self.page_size, shared)
+                hook(self.max_batch, self.max_context, shared)
         pool = torch.cuda.graph_pool_handle()
         # warm up on the capture stream (torch's recipe: per-stream lazy state is set up then)
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         for size in reversed(self.sizes):
-            ctx = self.context(size)
-            ids, positions = self.inputs[0, :size], self.inputs[1, :size]
             with torch.cuda.stream(stream):
-                self.model(ids, positions, ctx)  # warm-up: probe, compilation, lazy state
-            torch.cuda.synchronize(dev)
+                self._run_forward(size)  # warm-up: probe, compilation, lazy state
+            torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = self.model(ids, positions, ctx)
-            self.graphs[size], self.outputs[size], self.contexts[size] = graph, out, ctx
-        torch.cuda.synchronize(dev)
+                out = self._run_forward(size)
+            self.graphs[size], self.outputs[size] = graph, out
+        torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
 
-    def context(self, size: int) -> ForwardContext:
-        """The attention metadata of the graph of `size`: views of the static inputs."""
-        md = AttentionMetadata(
-            slot_mapping=self.inputs[2, :size],
-            block_tables=self.block_tables[:size],
-            seq_lens=self.seq_lens[:size],
-            query_start=self.query_start[: size + 1],
-            page_size=self.page_size,
-            # host copies are not read on the captured (kernel) path; they describe the shape
-            seq_lens_host=[PAD_SEQ_LEN] * size,
-            query_lens_host=[1] * size,
-        )
-        return ForwardContext(md)
-
-    def can_run(self, batch: int, table_width: int) -> bool:
-        return bool(self.graphs) and batch <= self.max_batch and table_width <= self.max_pages
+    def can_run(self, batch: int) -> bool:
+        return bool(self.graphs) and batch <= self.max_batch
 
     @torch.inference_mode()
-    def run(
-        self,
-        ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        seq_lens: list[int],
-        block_table: list[list[int]],
-    ) -> torch.Tensor:
-        """Replay the decode forward of len(ids) sequences; hidden states [b, H]. The rows
-        are a view of the graph's output: valid until the next replay."""
-        b = len(ids)
+    def run(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Replay the decode forward of b sequences given as one int64 [4, b] device tensor
+        (ids, positions, rows, seq_lens); hidden states [b, H], a view of the graph's output:
+        valid until the next replay."""
+        b = inputs.shape[1]
         size = padded_size(b, self.sizes)
         assert size is not None and size in self.graphs, f"no graph for a batch of {b}"
-        rows, lens = pad_rows(ids, positions, slots, seq_lens, size)
-        self.inputs[:, :size].copy_(torch.tensor(rows, dtype=torch.int64))
-        self.seq_lens[:size].copy_(torch.tensor(lens, dtype=torch.int32))
-        width = len(block_table[0])
-        self.block_tables[:b, :width].copy_(torch.tensor(block_table, dtype=torch.int32))
+        self.inputs[:, :b].copy_(inputs)
+        if size > b:
+            self.inputs[:, b:size].copy_(self.padding[:, b:size])
         self.graphs[size].replay()
         self.replays[size] += 1
         return self.outputs[size][:b]

@@ -18,6 +18,8 @@ _CONTEXT = 5  # prompt tokens decoded with the first output token, for its leadi
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
         self.tok = tokenizer
+        # ids beyond the tokenizer (a padded LM head's rows) have no text: never decoded
+        self.vocab = getattr(tokenizer, "vocab_size", None)
         self.skip_special = params.skip_special_tokens
         self.stops = params.stop
         self.include_stop = params.include_stop_str_in_output
@@ -40,6 +42,8 @@ class IncrementalDetokenizer:
         `final`: the token ends the request (EOS / stop id): its own text is not shown."""
         if final:
             return self.flush(), None
+        if self.vocab is not None and not 0 <= token < self.vocab:
+            return "", None
         self.ids.append(token)
         new = self._decode_new()
         if not new:

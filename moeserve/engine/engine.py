@@ -8,39 +8,50 @@ queues, so neither blocks the other. `LLM` is the offline API.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import multiprocessing as mp
 import os
 import queue
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 
-from moeserve.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    parse_dtype,
-)
+from moeserve.config import ConfigError, EngineConfig, ModelConfig, parse_dtype
+from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.engine.detokenizer import IncrementalDetokenizer
+from moeserve.engine.errors import EngineDead, EngineInputError, RequestFailed
+from moeserve.engine.executor import DistributedExecutor, Executor, start_watchdog
 from moeserve.engine.kv_blocks import PageAllocator
 from moeserve.engine.metrics import EngineMetrics
 from moeserve.engine.outputs import RequestOutput, TokenLogprob
+from moeserve.engine.profile import DecodeProfiler
 from moeserve.engine.request import Request
 from moeserve.engine.runner import ModelRunner
-from moeserve.engine.scheduler import Scheduler
-from moeserve.loader import load_model
-from moeserve.loader.base import LoadedModel
-from moeserve.sampling import SamplingParams
+from moeserve.engine.scheduler import ScheduledBatch, Scheduler
+from moeserve.engine.step import RowAllocator, StepInput
+from moeserve.engine.worker import (
+    Rendezvous,
+    apply_safe_env,
+    init_distributed,
+    open_channel,
+    rank_device,
+    run_worker,
+)
+from moeserve.loader import load_model, resolve_model_path
+from moeserve.sampling import Sampler, SamplingError, SamplingParams, is_device_error
 
 log = logging.getLogger(__name__)
 
 
-class EngineInputError(ValueError):
-    """A request the engine cannot take (one clear sentence for the user)."""
+# the engine's failure outcomes (re-exported: EngineInputError has always lived here)
+__all__ = ["EngineDead", "EngineInputError", "RequestFailed"]
 
 
 @dataclass
@@ -54,28 +65,48 @@ class _Live:
     sent_prompt_logprobs: bool = False
 
 
+@dataclass
+class _StepPlan:
+    """Where a step's logits rows go: batch index -> its sampling row, and its prompt-logprob
+    rows (first row, the prompt positions they score)."""
+
+    sample: dict[int, int] = field(default_factory=dict)
+    prompt: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # i -> (row, start, n)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    """Scheduler, page allocator and sampler (rank 0) over an `Executor` that runs steps on
+    one or more ranks."""
+
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
-        self.loaded = loaded
-        self.tokenizer = loaded.tokenizer
+        self.executor = executor
+        self.runner = executor.runner
+        self.loaded = self.runner.loaded
+        self.tokenizer = self.loaded.tokenizer
         cache = config.cache
-        per_token = ModelRunner.kv_bytes_per_token(loaded)
-        self.num_pages = cache.num_pages or _auto_num_pages(config, per_token)
-        self.max_model_len = min(config.scheduler.max_model_len, self.num_pages * cache.page_size)
+        self.num_pages = self.runner.num_pages
+        self.max_model_len = self.runner.max_model_len
         self.allocator = PageAllocator(self.num_pages, cache.page_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.allocator)
-        self.runner = ModelRunner(
-            loaded,
-            config.device,
-            self.num_pages,
-            cache.page_size,
-            max_model_len=self.max_model_len,
-            graph_max_batch=config.graph_max_batch,
+        self.rows = RowAllocator(config.scheduler.max_num_seqs)
+        self.eos_ids = set(self.loaded.config.eos_token_ids)
+        self.profiler = (
+            DecodeProfiler(config.profile_decode, self.runner.device)
+            if config.profile_decode
+            else None
         )
+        # ids a request may name or receive: the tokenizer's (the LM head may be padded)
+        self.vocab_limit = min(
+            self.loaded.config.vocab_size,
+            getattr(self.tokenizer, "vocab_size", None) or self.loaded.config.vocab_size,
+        )
+        self.sampler = Sampler(self.vocab_limit, tuple(sorted(self.eos_ids)))
         self.metrics = EngineMetrics()
         self.live: dict[str, _Live] = {}
-        self.eos_ids = set(loaded.config.eos_token_ids)
+        # requests that failed alone in the last steps: (request id, error); the caller takes
+        # them (`take_failures`) and fails those requests' streams
+        self.failures: list[tuple[str, Exception]] = []
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
@@ -83,9 +114,13 @@ class LLMEngine:
         n = len(prompt_ids)
         if n == 0:
             raise EngineInputError("the prompt is empty.")
-        vocab = self.loaded.config.vocab_size
+        vocab = self.vocab_limit
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise EngineInputError(f"prompt token ids must be in [0, {vocab}).")
+        try:
+            params.check_vocab(vocab, tuple(sorted(self.eos_ids)))
+        except SamplingError as e:
+            raise EngineInputError(str(e)) from None
         limit = self.max_model_len
         if params.max_tokens is None:
             if n >= limit:
@@ -119,39 +154,218 @@ class LLMEngine:
             return None
         live.req.finish("abort")
         self.scheduler.finish(live.req)
-        self.runner.forget(request_id)
+        self._forget(request_id)
         self.metrics.on_finish("abort")
         return self._output(live, "", [], finished=True)
 
     def has_unfinished(self) -> bool:
         return bool(self.live)
 
+    def _forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+        self.rows.release(request_id)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
     # ---- one step ------------------------------------------------------------------------------
+    def _build_step(self, batch: ScheduledBatch) -> tuple[StepInput, _StepPlan]:
+        """The step's inputs, single-token sequences first (the attention backends' order),
+        and where each sequence's logits rows are. Host work grows with the step's new
+        tokens and pages, not with the sequences' lengths."""
+        step = StepInput([], [], [], [], [])
+        plan = _StepPlan()
+        order = [i for i, n in enumerate(batch.num_tokens) if n == 1]
+        order += [i for i, n in enumerate(batch.num_tokens) if n != 1]
+        for i in order:
+            req, n = batch.requests[i], batch.num_tokens[i]
+            start = req.num_computed
+            t0 = len(step.ids)
+            step.ids.extend(req.token_slice(start, start + n))
+            step.positions.extend(range(start, start + n))
+            row = self.rows.row(req.request_id)
+            self.rows.updates(row, req.pages, step.page_updates)
+            step.rows.append(row)
+            step.seq_lens.append(start + n)
+            step.query_lens.append(n)
+            if req.params.prompt_logprobs is not None and start < len(req.prompt_ids):
+                # row j predicts token start+j+1; stay within the prompt
+                count = min(start + n, len(req.prompt_ids) - 1) - start
+                plan.prompt[i] = (len(step.logit_rows), start, max(0, count))
+                step.logit_rows.extend(range(t0, t0 + max(0, count)))
+            if batch.samples(i) and len(req.output_ids) < req.max_tokens:
+                plan.sample[i] = len(step.logit_rows)
+                step.logit_rows.append(t0 + n - 1)
+        return step, plan
+
     def step(self) -> list[RequestOutput]:
+        t_entry = time.perf_counter()
         outputs: list[RequestOutput] = []
         # max_tokens == 0 (prompt logprobs only) still needs its prefill; others finish here
         batch = self.scheduler.schedule()
+        for req in batch.preempted:
+            self.rows.release(req.request_id)
         self.metrics.on_preempt(len(batch.preempted))
         if batch.empty:
             return outputs
         t0 = time.perf_counter()
-        result = self.runner.execute(batch)
+        step, plan = self._build_step(batch)
+        t_exec = time.perf_counter()
+        logits = self.executor.execute(step)
+        t_exec = time.perf_counter() - t_exec
+        failed: dict[int, Exception] = {}
+        tokens, lps = self._sample(batch, plan, logits, failed)
+        prompt_lps = self._prompt_logprobs(batch, plan, logits, failed)
         self.scheduler.after_step(batch)
         self.metrics.on_step(time.perf_counter() - t0, sum(batch.num_tokens))
         for i, req in enumerate(batch.requests):
             live = self.live[req.request_id]
-            plp = result.prompt_logprobs[i]
-            if plp is not None:
-                live.prompt_logprobs = (live.prompt_logprobs or []) + plp
-            if req.num_computed < req.num_tokens:
-                continue  # prompt chunk: nothing to emit yet
-            token = result.tokens[i]
-            if token is None:  # max_tokens reached without sampling (max_tokens == 0)
-                req.finish("length")
-                outputs.append(self._finish(live, "", []))
+            if i in failed:
+                self._fail(live, failed[i])
                 continue
-            outputs.append(self._append_token(live, token, result.logprobs[i]))
+            try:  # this request's own work: an error here fails it alone
+                out = self._emit(live, i, tokens, lps, prompt_lps)
+            except Exception as e:
+                if is_device_error(e):
+                    raise
+                self._fail(live, e)
+                continue
+            if out is not None:
+                outputs.append(out)
+        if self.profiler is not None and self.profiler.active and step.is_decode_only:
+            self._profile_step(step, time.perf_counter() - t_entry, t_exec)
         return outputs
+
+    def _profile_step(self, step: StepInput, seconds: float, forward_seconds: float) -> None:
+        """--profile-decode: count this served decode step; after N, the labelled eager
+        rerun of this step (idempotent: same cache rows) and the table."""
+        prof = self.profiler
+        prof.record(len(step.rows), seconds, forward_seconds)
+        if prof.done_timing():
+            result = prof.finish(
+                self.runner.model, lambda: self.executor.execute(replace(step, eager=True))
+            )
+            log.warning("%s", result.table())
+
+    def _emit(
+        self,
+        live: _Live,
+        i: int,
+        tokens: dict[int, int],
+        lps: dict[int, TokenLogprob],
+        prompt_lps: dict[int, list[TokenLogprob | None]],
+    ) -> RequestOutput | None:
+        """What batch row i's request gets from this step (None: a prompt chunk)."""
+        req = live.req
+        plp = prompt_lps.get(i)
+        if plp is not None:
+            live.prompt_logprobs = (live.prompt_logprobs or []) + plp
+        if req.num_computed < req.num_tokens:
+            return None  # prompt chunk: nothing to emit yet
+        token = tokens.get(i)
+        if token is None:  # max_tokens reached without sampling (max_tokens == 0)
+            req.finish("length")
+            return self._finish(live, "", [])
+        return self._append_token(live, token, lps.get(i))
+
+    def _fail(self, live: _Live, error: Exception) -> None:
+        """Fail one request alone: free its pages and state, report it (`take_failures`)."""
+        req = live.req
+        log.error(
+            "request %s failed (the engine goes on): %s: %s",
+            req.request_id,
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
+        )
+        log.debug("request %s failure", req.request_id, exc_info=error)
+        req.finish("error")
+        self.scheduler.finish(req)
+        self._forget(req.request_id)
+        self.live.pop(req.request_id, None)
+        self.metrics.on_finish("error")
+        self.failures.append((req.request_id, error))
+
+    def take_failures(self) -> list[tuple[str, Exception]]:
+        """Requests that failed alone since the last call (already released)."""
+        out, self.failures = self.failures, []
+        return out
+
+    def _sample(
+        self,
+        batch: ScheduledBatch,
+        plan: _StepPlan,
+        logits: torch.Tensor | None,
+        failed: dict[int, Exception],
+    ) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
+        """One batched sampler pass; rows that fail alone go to `failed`."""
+        if not plan.sample or logits is None:
+            return {}, {}
+        idx = list(plan.sample)
+        reqs = [batch.requests[i] for i in idx]
+        res = self.sampler(
+            logits[list(plan.sample.values())],
+            [r.params for r in reqs],
+            [r.request_id for r in reqs],
+            [r.prompt_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            tuple(self.eos_ids),
+        )
+        tokens: dict[int, int] = {}
+        lps: dict[int, TokenLogprob] = {}
+        for j, i in enumerate(idx):
+            token = res.token_ids[j]
+            if j in res.errors or token is None:
+                failed[i] = res.errors.get(j) or RuntimeError("sampling failed")
+                continue
+            tokens[i] = token
+            if res.logprobs[j] is not None:
+                lp, top = res.logprobs[j]
+                lps[i] = TokenLogprob(token, lp, top)
+        return tokens, lps
+
+    def _prompt_logprobs(
+        self,
+        batch: ScheduledBatch,
+        plan: _StepPlan,
+        logits: torch.Tensor | None,
+        failed: dict[int, Exception],
+    ) -> dict[int, list[TokenLogprob | None]]:
+        """Logprob of each prompt token given what precedes it (None for the first), over
+        the tokenizer's vocabulary; a request whose computation fails goes to `failed`."""
+        out: dict[int, list[TokenLogprob | None]] = {}
+        for i, span in plan.prompt.items():
+            try:
+                out[i] = self._prompt_logprobs_of(batch.requests[i], span, logits)
+            except Exception as e:
+                if is_device_error(e):
+                    raise
+                failed[i] = e
+        return out
+
+    def _prompt_logprobs_of(
+        self, req: Request, span: tuple[int, int, int], logits: torch.Tensor | None
+    ) -> list[TokenLogprob | None]:
+        row, start, count = span
+        k = req.params.prompt_logprobs
+        entries: list[TokenLogprob | None] = [None] if start == 0 else []
+        if count > 0 and logits is not None:
+            rows = logits[row : row + count, : self.vocab_limit].float()
+            logp = torch.log_softmax(rows, dim=-1)
+            targets = torch.tensor(
+                req.prompt_ids[start + 1 : start + count + 1], device=logp.device
+            )
+            chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
+            if k:
+                tv, ti = logp.topk(k, dim=-1)
+                tops = [
+                    list(zip(a, b, strict=True))
+                    for a, b in zip(ti.tolist(), tv.tolist(), strict=True)
+                ]
+            else:
+                tops = [[] for _ in chosen]
+            for tok, lp, top in zip(targets.tolist(), chosen, tops, strict=True):
+                entries.append(TokenLogprob(tok, lp, top))
+        return entries
 
     def _append_token(self, live: _Live, token: int, lp: TokenLogprob | None) -> RequestOutput:
         req = live.req
@@ -178,7 +392,7 @@ class LLMEngine:
     def _finish(self, live: _Live, text: str, tokens: list[int]) -> RequestOutput:
         req = live.req
         self.scheduler.finish(req)
-        self.runner.forget(req.request_id)
+        self._forget(req.request_id)
         self.live.pop(req.request_id, None)
         self.metrics.on_finish(req.finish_reason or "stop")
         return self._output(live, text, tokens, finished=True)
@@ -206,102 +420,144 @@ class LLMEngine:
         )
 
     def metrics_text(self) -> str:
-        return self.metrics.render(
+        text = self.metrics.render(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             pages_used=self.num_pages - self.allocator.num_free,
             pages_total=self.num_pages,
             prefix=self.allocator.stats,
         )
-
-
-def _auto_num_pages(config: EngineConfig, bytes_per_token: int) -> int:
-    """Pages for max_num_seqs full contexts, capped by the memory that is really free."""
-    page = config.cache.page_size
-    want_tokens = config.scheduler.max_num_seqs * config.scheduler.max_model_len
-    if config.device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
-        budget = int(free * config.cache.memory_fraction)
-    else:
-        budget = int(
-            min(
-                _available_ram() * config.cache.cpu_memory_fraction,
-                config.cache.cpu_max_kv_gib * (1 << 30),
-            )
-        )
-    pages = min(-(-want_tokens // page), max(1, budget // max(1, bytes_per_token * page)))
-    return max(pages, 1)
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
+        if self.profiler is not None and self.profiler.result is not None:
+            text += self.profiler.result.prometheus()
+        return text
 
 
 # ---- construction -----------------------------------------------------------------------------
-def build_engine(
-    model: str | None = None,
-    *,
-    dtype: str = "auto",
-    device: str | None = None,
-    max_model_len: int | None = None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
-    page_size: int = 16,
-    num_pages: int | None = None,
-    enable_prefix_caching: bool = True,
-    kv_cache_dtype: str = "auto",
-    quantization: str = "auto",
-    num_layers: int | None = None,
-    load_format: str = "auto",
-    seed: int = 0,
-    threads: int | None = None,
-    enforce_eager: bool = False,
-    cuda_graph_max_bs: int = 256,
-) -> LLMEngine:
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if threads:
-        torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    torch_dtype = parse_dtype(dtype, torch.float32, device)
+def resolve_device(cfg: EngineConfig) -> str:
+    return cfg.load.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build_rank(cfg: EngineConfig, tp: TPGroup, device: str) -> ModelRunner:
+    """This rank's model slice and runner (every rank, rank 0 included)."""
+    if cfg.load.threads:
+        torch.set_num_threads(cfg.load.threads)
+    torch.manual_seed(cfg.load.seed)
+    dtype = parse_dtype(cfg.load.dtype, torch.float32, device)
+    if tp.size > 1:
+        tp = _with_communicator(cfg, tp, device, dtype)
     loaded = load_model(
-        model,
-        torch_dtype,
+        cfg.model,
+        dtype,
         device,
-        quantize=quantization,
-        kv_cache_dtype=kv_cache_dtype,
-        num_layers=num_layers,
-        load_format=load_format,
+        quantize=cfg.load.quantization,
+        kv_cache_dtype=cfg.cache.kv_cache_dtype,
+        num_layers=cfg.load.num_layers,
+        load_format=cfg.load.load_format,
+        tp=tp,
+        seed=cfg.load.seed,
+        deterministic=cfg.load.deterministic,
     )
-    mcfg: ModelConfig = loaded.config
-    max_len = max_model_len or mcfg.max_position_embeddings
-    config = EngineConfig(
-        model=model or "default",
-        model_config=mcfg,
-        cache=CacheConfig(
-            page_size=page_size,
-            num_pages=num_pages,
-            kv_cache_dtype=kv_cache_dtype,
-            enable_prefix_caching=enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max(max_num_batched_tokens, 1),
-            max_model_len=max_len,
-        ),
-        dtype=torch_dtype,
-        device=device,
-        seed=seed,
-        enforce_eager=enforce_eager,
-        cuda_graph_max_bs=cuda_graph_max_bs,
+    return ModelRunner(cfg, loaded, device, tp)
+
+
+def _with_communicator(cfg: EngineConfig, tp: TPGroup, device: str, dtype: torch.dtype) -> TPGroup:
+    """The group's all-reduce implementation, chosen collectively before the model is built
+    (the layers keep the group they are built with)."""
+    from moeserve.dist.comm import create_communicator
+
+    comm = create_communicator(
+        tp.group,
+        tp.rank,
+        tp.size,
+        torch.device(device),
+        max_tokens=cfg.scheduler.max_num_batched_tokens,
+        hidden=model_hidden_size(cfg.model),
+        dtype=dtype,
+        prefer=cfg.parallel.all_reduce,
+        cpu_group=tp.cpu_group,
     )
-    return LLMEngine(config, loaded)
+    return replace(tp, comm=comm)
+
+
+def model_hidden_size(model: str | None) -> int:
+    """The hidden size from a checkpoint's description, before loading it."""
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        from gguf import GGUFReader
+
+        meta = GGUFReader(path).fields
+        arch = meta["general.architecture"].contents()
+        return int(meta[f"{arch}.embedding_length"].contents())
+    with open(os.path.join(path, "config.json")) as f:
+        return ModelConfig.from_hf(json.load(f)).hidden_size
+
+
+def _start_spawned_ranks(cfg: EngineConfig, device: str) -> Executor:
+    """Rank 0 here; ranks 1..N-1 spawned on the next devices of this host."""
+    world = cfg.parallel.tensor_parallel_size
+    if device.startswith("cuda"):
+        first = int(device.split(":")[1]) if ":" in device else 0
+        have = torch.cuda.device_count()
+        if first + world > have:
+            raise ConfigError(
+                f"--tensor-parallel-size {world} needs {world} GPUs from {device}; "
+                f"this host has {have}."
+            )
+    apply_safe_env()  # inherited by the spawned ranks
+    store = tempfile.TemporaryDirectory(prefix="moeserve-dist-")
+    init = f"file://{os.path.join(store.name, 'store')}"
+    ctx = mp.get_context("spawn")
+    procs = []
+    for r in range(1, world):
+        rdv = Rendezvous(r, world, init, rank_device(device, r))
+        p = ctx.Process(target=run_worker, args=(cfg, rdv), name=f"moeserve-rank{r}", daemon=True)
+        p.start()
+        procs.append(p)
+    stop = start_watchdog(procs)  # a rank that dies while loading stops us too
+    tp = init_distributed(cfg, Rendezvous(0, world, init, rank_device(device, 0)))
+    runner = build_rank(cfg, tp, rank_device(device, 0))
+    channel = open_channel(tp)
+    dist.barrier(group=tp.cpu_group)
+    return DistributedExecutor(runner, channel, procs, store, stop)
+
+
+def _join_torchrun(cfg: EngineConfig, device: str) -> Executor:
+    """Rank 0 of a torchrun launch (the other ranks run `run_worker`)."""
+    rdv = torchrun_rendezvous(device)
+    tp = init_distributed(cfg, rdv)
+    runner = build_rank(cfg, tp, rdv.device)
+    channel = open_channel(tp)
+    dist.barrier(group=tp.cpu_group)
+    return DistributedExecutor(runner, channel)
+
+
+def torchrun_rendezvous(device: str) -> Rendezvous:
+    """This process's rank under torchrun (RANK, WORLD_SIZE, LOCAL_RANK from its env)."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+    except (KeyError, ValueError):
+        raise ConfigError(
+            "--distributed-executor torchrun needs RANK and WORLD_SIZE: start it with torchrun."
+        ) from None
+    return Rendezvous(rank, world, "env://", rank_device(device, local))
+
+
+def build_engine(
+    model: str | None = None, *, config: EngineConfig | None = None, **settings
+) -> LLMEngine:
+    """An engine for `model` from `config`, or from keyword settings (any setting of the
+    `EngineConfig` groups: `max_num_seqs=8`, `tensor_parallel_size=2`, `device="cpu"`...)."""
+    cfg = config or EngineConfig.from_settings(model, **settings)
+    device = resolve_device(cfg)
+    par = cfg.parallel
+    if par.distributed_executor == "torchrun":
+        executor = _join_torchrun(cfg, device)
+    elif par.tensor_parallel_size > 1:
+        executor = _start_spawned_ranks(cfg, device)
+    else:
+        executor = Executor(build_rank(cfg, SINGLE, device))
+    return LLMEngine(cfg, executor)
 
 
 def served_name(model: str | None) -> str:
@@ -311,11 +567,39 @@ def served_name(model: str | None) -> str:
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
 
 
-class AsyncEngine:
-    """Runs an `LLMEngine` on a background thread; `generate` is an async generator."""
+def exit_process(error: BaseException) -> None:
+    """What a poisoned engine does by default: one line on stderr, then the process exits so
+    that a supervisor restarts it (a live process that answers 500 forever helps no one)."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    print(
+        f"moeserve: fatal: the engine failed ({type(error).__name__}: {first}); exiting",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(EXIT_ENGINE_FAILED)
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+
+EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE
+_POISON_GRACE_S = 0.5  # time for the front end to send the failed streams their error
+
+
+class AsyncEngine:
+    """Runs an `LLMEngine` on a background thread; `generate` is an async generator.
+
+    A request that fails alone (sampling, detokenizing, stop checks) gets `RequestFailed`
+    while the others go on. An error outside per-request code (a CUDA error, a dead worker,
+    a bug in the step) poisons the engine: every stream gets `EngineDead`, `is_healthy`
+    turns false and `on_poison` runs (default: exit the process with one line).
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str,
+        on_poison: Callable[[BaseException], None] | None = exit_process,
+    ) -> None:
         self.engine = engine
+        self._on_poison = on_poison
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -331,7 +615,7 @@ class AsyncEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         if self._error is not None:
-            raise RuntimeError(f"the engine stopped: {self._error}")
+            raise EngineDead(f"The engine stopped after an error ({type(self._error).__name__}).")
         self.engine.validate(prompt_token_ids, params)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -368,6 +652,7 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._inbox.put(("stop",))
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     # ---- engine thread ---------------------------------------------------------------------
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
@@ -387,6 +672,12 @@ class AsyncEngine:
                 self.engine.add_request(rid, ids, params)
             except ValueError as e:
                 self._deliver(rid, EngineInputError(str(e)))
+            except Exception as e:  # this request's own set-up: it fails alone
+                if is_device_error(e):
+                    raise
+                log.error("request %s could not start: %s: %s", rid, type(e).__name__, e)
+                self.engine.abort(rid)
+                self._deliver(rid, RequestFailed(_failure_message(e)))
         elif kind == "abort":
             self.engine.abort(msg[1])
         return True
@@ -406,18 +697,37 @@ class AsyncEngine:
                     pass
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
-        except BaseException as e:  # a bug or device failure: fail every stream loudly
-            log.exception("engine loop failed")
+                for rid, e in self.engine.take_failures():
+                    self._deliver(rid, RequestFailed(_failure_message(e)))
+        except BaseException as e:  # a device failure or a bug outside one request: poison
+            log.debug("engine loop failed", exc_info=True)
             self._error = e
             with self._lock:
                 ids = list(self._streams)
+            dead = EngineDead(f"The engine failed ({type(e).__name__}); the server is restarting.")
             for rid in ids:
-                self._deliver(rid, RuntimeError(f"the engine failed: {e}"))
+                self._deliver(rid, dead)
+            if self._on_poison is not None:
+                time.sleep(_POISON_GRACE_S if ids else 0.0)
+                self._on_poison(e)
 
 
-def build_async_engine(model: str | None = None, **overrides) -> AsyncEngine:
-    name = overrides.pop("served_model_name", None) or served_name(model)
-    return AsyncEngine(build_engine(model, **overrides), name)
+def _failure_message(e: Exception) -> str:
+    """The 500 a request that failed alone gets: what failed, not a traceback."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    detail = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return f"Internal error while generating this request ({detail}); other requests go on."
+
+
+def build_async_engine(
+    model: str | None = None,
+    *,
+    config: EngineConfig | None = None,
+    served_model_name: str | None = None,
+    **settings,
+) -> AsyncEngine:
+    engine = build_engine(model, config=config, **settings)
+    return AsyncEngine(engine, served_model_name or served_name(engine.config.model))
 
 
 # ---- offline API ----------------------------------------------------------------------------
@@ -458,7 +768,10 @@ class LLM:
             r: Completion("", [], None, [] if params.logprobs is not None else None) for r in rids
         }
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            outs = self.engine.step()
+            for rid, e in self.engine.take_failures():
+                raise RequestFailed(f"request {rid} failed: {_failure_message(e)}") from e
+            for out in outs:
                 c = acc[out.request_id]
                 c.text += out.text
                 c.token_ids += out.token_ids

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -70,21 +71,33 @@ class PageAllocator:
         self.stats.hits += len(pages) * self.page_size
         return pages
 
-    def register_full_pages(self, pages: list[int], tokens: list[int], num_known: int) -> None:
-        """Record hashes for the full pages among the first `num_known` tokens."""
-        if not self.enable_prefix_caching:
-            return
-        parent: bytes | None = None
-        for i in range(num_known // self.page_size):
+    def register_full_pages(
+        self,
+        pages: list[int],
+        tokens: Callable[[int, int], list[int]],
+        num_known: int,
+        done: int = 0,
+        parent: bytes | None = None,
+    ) -> tuple[int, bytes | None]:
+        """Record hashes for the full pages among the first `num_known` tokens, from page
+        `done` on (`parent`: the hash of page done-1), so each page is hashed once over a
+        request's life. `tokens(a, b)` gives tokens [a, b). Returns (pages done, last hash)
+        for the next call."""
+        full = num_known // self.page_size
+        if not self.enable_prefix_caching or full <= done:
+            return done, parent
+        ps = self.page_size
+        for i in range(done, full):
             page = pages[i]
             known = self.hash_of.get(page)
             if known is not None:
                 parent = known
                 continue
-            parent = page_hash(parent, tokens[i * self.page_size : (i + 1) * self.page_size])
+            parent = page_hash(parent, tokens(i * ps, (i + 1) * ps))
             if parent not in self.page_of:  # another copy already serves this prefix
                 self.page_of[parent] = page
                 self.hash_of[page] = parent
+        return full, parent
 
     # ---- allocation ------------------------------------------------------------------------
     def _take(self, page: int) -> None:

@@ -56,7 +56,7 @@ class EngineMetrics:
         metric("prompt_tokens_total", "counter", "Prompt tokens received.", self.prompt_tokens)
         metric("generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens)
         metric("requests_total", "counter", "Requests accepted by the engine.", self.requests)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             metric(
                 "requests_finished_total",
                 "counter",

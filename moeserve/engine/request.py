@@ -28,12 +28,25 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # prefix-cache hashing progress: full pages hashed so far and the last one's hash
+    hashed_pages: int = 0
+    last_hash: bytes | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt + output as a new list: O(length), for rare paths (prefix matching)."""
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output without building the whole sequence."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
 
     @property
     def num_tokens(self) -> int:

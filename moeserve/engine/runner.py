@@ -1,211 +1,314 @@
-"""Builds a step's batch tensors, runs the model and samples (the only torch in the engine)."""
+"""One rank's executor of steps: KV cache, persistent page table, CUDA graphs, the forward and
+the logits (the only torch in the engine besides sampling).
+
+Every rank of a tensor-parallel group holds a `ModelRunner` and runs the same `StepInput`s in
+the same order (their collectives pair up); rank 0 also schedules and samples. Start-up is
+collective too: the KV cache is sized on every rank from its own free memory and the
+smallest page count wins, and graphs are captured in the same order everywhere.
+"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from moeserve.config import EngineConfig
+from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.engine.cuda_graphs import DecodeGraphs, graph_blockers
-from moeserve.engine.outputs import TokenLogprob
-from moeserve.engine.scheduler import ScheduledBatch
+from moeserve.engine.memory import MemoryPlan, plan_kv_pages
+from moeserve.engine.step import StepInput, iter_page_updates
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.loader.base import LoadedModel
-from moeserve.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class StepResult:
-    """Per scheduled request: the sampled token (None if it did not reach its end), its
-    logprob entry, and prompt logprobs for the positions computed this step."""
-
-    tokens: list[int | None]
-    logprobs: list[TokenLogprob | None]
-    prompt_logprobs: list[list[TokenLogprob | None] | None]
+PAD_SLOT = -1  # write_mla_cache skips negative slots
 
 
 @dataclass
-class HostBatch:
-    """A step's batch layout as host lists (see layers/attention/metadata.py)."""
+class StepTensors:
+    """A step's index tensors on the device (views of one copied buffer)."""
 
-    ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    seq_lens: list[int]
-    query_lens: list[int]
-    block_table: list[list[int]]  # padded with page 0 to the batch's widest row
+    packed: torch.Tensor  # the whole buffer: ids, positions, rows, seq_lens, logit_rows
+    ids: torch.Tensor
+    positions: torch.Tensor
+    rows: torch.Tensor
+    seq_lens: torch.Tensor
+    logit_rows: torch.Tensor
 
 
 class ModelRunner:
     def __init__(
         self,
+        config: EngineConfig,
         loaded: LoadedModel,
-        device: str,
-        num_pages: int,
-        page_size: int,
-        max_model_len: int | None = None,
-        graph_max_batch: int = 0,
+        device: torch.device | str,
+        tp: TPGroup = SINGLE,
     ) -> None:
-        """`graph_max_batch`: on a CUDA device, capture decode graphs for batches up to this
-        many sequences (0: eager, as with --enforce-eager)."""
+        self.config = config
+        self.loaded = loaded
         self.model = loaded.model
         self.device = torch.device(device)
-        self.page_size = page_size
-        self.num_pages = num_pages
-        self.eos_ids = tuple(loaded.config.eos_token_ids)
-        self.sampler = Sampler()
-        for layer in self.model.attention_layers():
-            layer.bind_kv_cache(num_pages, page_size, loaded.kv_cache_dtype, self.device)
+        self.tp = tp
+        self.page_size = config.cache.page_size
+        self.kv_dtype = loaded.kv_cache_dtype
+        self.vocab_size = loaded.config.vocab_size
+        model_len = config.scheduler.max_model_len or loaded.config.max_position_embeddings
+        self.max_rows = config.scheduler.max_num_seqs
         self.graphs: DecodeGraphs | None = None
+        self.memory = self._plan_memory(loaded, model_len)
+        self.num_pages = self.memory.kv_pages
+        self.max_model_len = min(model_len, self.num_pages * self.page_size)
+        self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
+        self._bind_cache(self.num_pages)
+        # row max_rows is the padding row of graph replays: all zeros, never written
+        self.block_table = torch.zeros(
+            self.max_rows + 1, self.max_pages_per_seq, dtype=torch.int32, device=self.device
+        )
         self.graph_status = ""  # one line for the start-up banner ("" on a CPU)
         if self.device.type == "cuda":
-            max_len = max_model_len or num_pages * page_size
-            self.graph_status = self._capture(graph_max_batch, -(-max_len // page_size))
+            self.graph_status = self._capture(config.graph_max_batch(str(self.device)))
             log.info("%s", self.graph_status)
 
-    def _capture(self, max_batch: int, max_pages: int) -> str:
+    # ---- start-up ----------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        return sum(
+            layer.kv_cache_bytes_per_token(self.kv_dtype) for layer in self.model.attention_layers()
+        )
+
+    def _bind_cache(self, num_pages: int) -> None:
+        for layer in self.model.attention_layers():
+            layer.bind_kv_cache(num_pages, self.page_size, self.kv_dtype, self.device)
+
+    def _plan_memory(self, loaded: LoadedModel, model_len: int) -> MemoryPlan:
+        """Pages of the KV cache on this rank, the smallest over the group."""
+        cfg = self.config
+        per_token = self.kv_bytes_per_token()
+        want_tokens = cfg.scheduler.max_num_seqs * model_len
+        if self.device.type == "cuda":
+            plan = self._profile_gpu(per_token, want_tokens)
+        else:
+            plan = plan_kv_pages(
+                budget_bytes=int(
+                    min(
+                        _available_ram() * cfg.cache.cpu_memory_fraction,
+                        cfg.cache.cpu_max_kv_gib * (1 << 30),
+                    )
+                ),
+                kv_bytes_per_token=per_token,
+                page_size=self.page_size,
+                want_tokens=want_tokens,
+                num_pages=cfg.cache.num_pages,
+            )
+        pages = self.tp.min_int(plan.kv_pages)
+        if pages != plan.kv_pages:
+            plan = plan.with_pages(pages)
+        return plan
+
+    @torch.inference_mode()
+    def _profile_gpu(self, per_token: int, want_tokens: int) -> MemoryPlan:
+        """Weights as loaded, the activation peak of the largest eager prefill step and of the
+        largest decode batch (what a captured graph's pool holds), then the rest of the
+        memory budget to the KV cache."""
+        cfg, dev = self.config, self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated(dev)
+        tokens = cfg.scheduler.max_num_batched_tokens
+        decode_batch = max(1, cfg.graph_max_batch(str(dev)))
+        scratch_pages = -(-tokens // self.page_size) + decode_batch + 1
+        self._bind_cache(scratch_pages)
+        self.block_table = torch.zeros(
+            decode_batch + 1, -(-tokens // self.page_size), dtype=torch.int32, device=dev
+        )
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        # one prefill of `tokens` tokens, then `decode_batch` one-token sequences
+        n_pages = -(-tokens // self.page_size)
+        self.block_table[0, :n_pages] = torch.arange(n_pages, dtype=torch.int32, device=dev)
+        logit_rows = min(tokens, cfg.scheduler.max_num_seqs)
+        prefill = StepInput(
+            ids=[0] * tokens,
+            positions=list(range(tokens)),
+            rows=[0],
+            seq_lens=[tokens],
+            query_lens=[tokens],
+            logit_rows=list(range(tokens - logit_rows, tokens)),
+        )
+        self.execute_model(prefill)
+        torch.cuda.synchronize(dev)
+        prefill_peak = torch.cuda.max_memory_allocated(dev) - base
+        torch.cuda.reset_peak_memory_stats(dev)
+        rows = list(range(1, decode_batch + 1))
+        self.block_table[1:, 0] = torch.arange(
+            n_pages, n_pages + decode_batch, dtype=torch.int32, device=dev
+        )
+        decode = StepInput(
+            ids=[0] * decode_batch,
+            positions=[0] * decode_batch,
+            rows=rows,
+            seq_lens=[1] * decode_batch,
+            query_lens=[1] * decode_batch,
+            logit_rows=list(range(decode_batch)),
+        )
+        self.execute_model(decode)
+        torch.cuda.synchronize(dev)
+        decode_peak = torch.cuda.max_memory_allocated(dev) - base
+        self._bind_cache(0)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        # memory held outside this process's torch allocator (CUDA context, NCCL, other
+        # processes on the GPU): counted against the budget as it is now
+        outside = total - free - torch.cuda.memory_reserved(dev)
+        graph_reserve = decode_peak if cfg.graph_max_batch(str(dev)) else 0
+        budget = int(total * cfg.cache.gpu_memory_utilization)
+        return plan_kv_pages(
+            budget_bytes=budget - outside - weights - prefill_peak - graph_reserve,
+            kv_bytes_per_token=per_token,
+            page_size=self.page_size,
+            want_tokens=want_tokens,
+            num_pages=cfg.cache.num_pages,
+            total_bytes=total,
+            utilization=cfg.cache.gpu_memory_utilization,
+            weights_bytes=weights,
+            activation_bytes=prefill_peak,
+            graph_bytes=graph_reserve,
+            other_bytes=outside,
+        )
+
+    def _capture(self, max_batch: int) -> str:
         if max_batch <= 0:
             return "CUDA graphs off (--enforce-eager)"
         blockers = graph_blockers(self.model)
         if blockers:
             return f"CUDA graphs off: {', '.join(blockers)} cannot be captured; decode runs eager"
-        graphs = DecodeGraphs(self.model, self.device, max_batch, max_pages, self.page_size)
+        graphs = DecodeGraphs(
+            self._graph_forward,
+            self.model,
+            self.device,
+            max_batch,
+            self.max_rows,
+            self.max_model_len,
+        )
+        before = torch.cuda.memory_reserved(self.device)
         try:
             graphs.capture()
         except RuntimeError as e:  # a host sync or allocation somewhere: serve eagerly
             log.warning("CUDA graph capture failed: %s", e)
             return f"CUDA graphs off: capture failed ({str(e).splitlines()[0][:120]})"
+        self.memory = self.memory.with_graph_measured(
+            torch.cuda.memory_reserved(self.device) - before
+        )
         self.graphs = graphs
+        check = getattr(self.tp.comm, "check", None)
+        if check is not None:
+            check()  # a one-shot all-reduce that timed out while capturing says so here
         return graphs.status()
 
-    @staticmethod
-    def kv_bytes_per_token(loaded: LoadedModel) -> int:
-        return sum(
-            layer.kv_cache_bytes_per_token(loaded.kv_cache_dtype)
-            for layer in loaded.model.attention_layers()
-        )
+    # ---- one step ----------------------------------------------------------------------------
+    def _apply_page_updates(self, updates: list[int]) -> None:
+        if not updates:
+            return
+        rows: list[int] = []
+        cols: list[int] = []
+        pages: list[int] = []
+        for row, col, new in iter_page_updates(updates):
+            rows.extend([row] * len(new))
+            cols.extend(range(col, col + len(new)))
+            pages.extend(new)
+        idx = torch.tensor([rows, cols], dtype=torch.int64).to(self.device, non_blocking=True)
+        vals = torch.tensor(pages, dtype=torch.int32).to(self.device, non_blocking=True)
+        self.block_table.index_put_((idx[0], idx[1]), vals)
 
-    def forget(self, request_id: str) -> None:
-        self.sampler.forget(request_id)
+    def _tensors(self, step: StepInput) -> StepTensors:
+        """One host->device copy of the step's index lists."""
+        t, b = step.num_tokens, len(step.rows)
+        host = np.empty(2 * t + 2 * b + len(step.logit_rows), dtype=np.int64)
+        parts = (step.ids, step.positions, step.rows, step.seq_lens, step.logit_rows)
+        o = 0
+        views = []
+        for part in parts:
+            host[o : o + len(part)] = part
+            views.append((o, len(part)))
+            o += len(part)
+        dev = torch.from_numpy(host).to(self.device, non_blocking=self.device.type == "cuda")
+        ids, pos, rows, lens, lrows = (dev[s : s + n] for s, n in views)
+        return StepTensors(dev, ids, pos, rows, lens, lrows)
 
-    # ---- batch tensors ---------------------------------------------------------------------
-    def _host_batch(self, batch: ScheduledBatch) -> HostBatch:
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        qlens: list[int] = []
+    def metadata(
+        self,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_lens: list[int],
+        seq_lens_host: list[int],
+        table_width: int,
+    ) -> AttentionMetadata:
+        """Attention metadata on the device from the persistent page table: each sequence's
+        table row, and each token's cache slot (negative for padding: seq_len 0)."""
         ps = self.page_size
-        for req, n in zip(batch.requests, batch.num_tokens, strict=True):
-            start = req.num_computed
-            toks = req.all_ids[start : start + n]
-            ids.extend(toks)
-            pos.extend(range(start, start + n))
-            slots.extend(req.pages[p // ps] * ps + p % ps for p in range(start, start + n))
-            seq_lens.append(start + n)
-            qlens.append(n)
-        width = max(len(r.pages) for r in batch.requests)
-        table = [r.pages + [0] * (width - len(r.pages)) for r in batch.requests]
-        return HostBatch(ids, pos, slots, seq_lens, qlens, table)
-
-    def _prepare(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+        tables = self.block_table.index_select(0, rows)[:, :table_width]
+        if all(q == 1 for q in query_lens):
+            tok_tables = tables
+            valid = seq_lens > 0
+        else:
+            counts = torch.tensor(query_lens, device=self.device)
+            tok_tables = tables.repeat_interleave(counts, dim=0, output_size=len(positions))
+            valid = None
+        page = tok_tables.gather(1, (positions // ps)[:, None]).squeeze(1).long()
+        slots = page * ps + positions % ps
+        if valid is not None:
+            slots = torch.where(valid, slots, PAD_SLOT)
         qstart = [0]
-        for q in hb.query_lens:
+        for q in query_lens:
             qstart.append(qstart[-1] + q)
-        dev = self.device
-
-        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype, device=dev)
-
-        md = AttentionMetadata(
-            slot_mapping=t(hb.slots, torch.int64),
-            block_tables=t(hb.block_table, torch.int32),
-            seq_lens=t(hb.seq_lens, torch.int32),
-            query_start=t(qstart, torch.int32),
-            page_size=self.page_size,
-            seq_lens_host=hb.seq_lens,
-            query_lens_host=hb.query_lens,
+        return AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=seq_lens.to(torch.int32),
+            query_start=torch.tensor(qstart, dtype=torch.int32, device=self.device),
+            page_size=ps,
+            seq_lens_host=seq_lens_host,
+            query_lens_host=query_lens,
         )
-        return t(hb.ids, torch.int64), t(hb.positions, torch.int64), ForwardContext(md)
 
-    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Hidden states [T, H]: a graph replay for a decode-only batch that fits one, else
-        the eager forward."""
-        hb = self._host_batch(batch)
-        g = self.graphs
-        decode = all(q == 1 for q in hb.query_lens)
-        if g is not None and decode and g.can_run(len(hb.ids), len(hb.block_table[0])):
-            return g.run(hb.ids, hb.positions, hb.slots, hb.seq_lens, hb.block_table)
-        ids, positions, ctx = self._prepare(hb)
-        return self.model(ids, positions, ctx)
+    def _graph_forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """The captured decode forward: metadata from the page table, then the model."""
+        b = ids.shape[0]
+        md = self.metadata(positions, rows, seq_lens, [1] * b, [1] * b, self.max_pages_per_seq)
+        return self.model(ids, positions, ForwardContext(md))
 
-    # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        hidden = self._forward(batch)
-        qstart = [0]
-        for n in batch.num_tokens:
-            qstart.append(qstart[-1] + n)
-
-        rows: list[int] = []  # hidden rows whose logits we need for sampling
-        sampling: list[int] = []  # batch indices that sample
-        for i, req in enumerate(batch.requests):
-            if batch.samples(i) and len(req.output_ids) < req.max_tokens:
-                rows.append(qstart[i + 1] - 1)
-                sampling.append(i)
-
-        tokens: list[int | None] = [None] * len(batch.requests)
-        lps: list[TokenLogprob | None] = [None] * len(batch.requests)
-        if rows:
-            logits = self.model.compute_logits(hidden[rows])
-            reqs = [batch.requests[i] for i in sampling]
-            res = self.sampler(
-                logits,
-                [r.params for r in reqs],
-                [r.request_id for r in reqs],
-                [r.prompt_ids for r in reqs],
-                [r.output_ids for r in reqs],
-                self.eos_ids,
+    def execute_model(self, step: StepInput) -> torch.Tensor | None:
+        """Run one step; fp32 logits [len(step.logit_rows), vocab] (every rank computes them:
+        the LM head is vocab-parallel), or None when no row needs logits."""
+        self._apply_page_updates(step.page_updates)
+        st = self._tensors(step)
+        g = self.graphs
+        if g is not None and not step.eager and step.is_decode_only and g.can_run(len(step.rows)):
+            hidden = g.run(st.packed[: 4 * len(step.rows)].view(4, -1))
+        else:
+            width = -(-max(step.seq_lens) // self.page_size)
+            md = self.metadata(
+                st.positions, st.rows, st.seq_lens, step.query_lens, step.seq_lens, width
             )
-            for j, i in enumerate(sampling):
-                tokens[i] = res.token_ids[j]
-                if res.logprobs[j] is not None:
-                    lp, top = res.logprobs[j]
-                    lps[i] = TokenLogprob(res.token_ids[j], lp, top)
-        prompt_lps = self._prompt_logprobs(batch, hidden, qstart)
-        return StepResult(tokens, lps, prompt_lps)
+            hidden = self.model(st.ids, st.positions, ForwardContext(md))
+        if not step.logit_rows:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, st.logit_rows))
 
-    def _prompt_logprobs(
-        self, batch: ScheduledBatch, hidden: torch.Tensor, qstart: list[int]
-    ) -> list[list[TokenLogprob | None] | None]:
-        """Logprob of each prompt token given what precedes it (None for the first)."""
-        out: list[list[TokenLogprob | None] | None] = []
-        for i, req in enumerate(batch.requests):
-            k = req.params.prompt_logprobs
-            start, n = req.num_computed, batch.num_tokens[i]
-            if k is None or start >= len(req.prompt_ids):
-                out.append(None)
-                continue
-            entries: list[TokenLogprob | None] = [None] if start == 0 else []
-            # row j predicts token start+j+1; stay within the prompt
-            last = min(start + n, len(req.prompt_ids) - 1)
-            if last > start:
-                h = hidden[qstart[i] : qstart[i] + (last - start)]
-                logp = torch.log_softmax(self.model.compute_logits(h), dim=-1)
-                targets = torch.tensor(req.prompt_ids[start + 1 : last + 1], device=logp.device)
-                chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
-                if k:
-                    tv, ti = logp.topk(k, dim=-1)
-                    tops = [
-                        list(zip(a, b, strict=True))
-                        for a, b in zip(ti.tolist(), tv.tolist(), strict=True)
-                    ]
-                else:
-                    tops = [[] for _ in chosen]
-                for tok, lp, top in zip(targets.tolist(), chosen, tops, strict=True):
-                    entries.append(TokenLogprob(tok, lp, top))
-            out.append(entries)
-        return out
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30

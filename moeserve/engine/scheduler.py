@@ -83,6 +83,7 @@ class Scheduler:
             if not self._grow(req, n):
                 self.alloc.release(req.pages)  # retry the prefix match next time
                 req.pages, req.num_computed, req.num_cached_tokens = [], 0, 0
+                req.hashed_pages, req.last_hash = 0, None
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -99,6 +100,8 @@ class Scheduler:
         req.pages = pages
         req.num_computed = len(pages) * self.alloc.page_size
         req.num_cached_tokens = req.num_computed
+        req.hashed_pages = len(pages)
+        req.last_hash = self.alloc.hash_of.get(pages[-1]) if pages else None
 
     def _grow(self, req: Request, n: int) -> bool:
         need = self.alloc.pages_for(req.num_computed + n) - len(req.pages)
@@ -116,13 +119,17 @@ class Scheduler:
         req.pages = []
         req.num_computed = 0
         req.num_cached_tokens = 0
+        req.hashed_pages, req.last_hash = 0, None
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         batch.preempted.append(req)
 
     def after_step(self, batch: ScheduledBatch) -> None:
-        """Advance computed counts and publish newly full pages to the prefix cache."""
+        """Advance computed counts and publish newly full pages to the prefix cache (each
+        page hashed once: host work per step follows the new tokens, not the context)."""
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             req.num_computed += n
-            self.alloc.register_full_pages(req.pages, req.all_ids, req.num_computed)
+            req.hashed_pages, req.last_hash = self.alloc.register_full_pages(
+                req.pages, req.token_slice, req.num_computed, req.hashed_pages, req.last_hash
+            )

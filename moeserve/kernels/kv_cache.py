@@ -3,7 +3,8 @@
 Layouts:
 
 - ``c``            ``[T, 512]`` normalised latent (after kv_a_layernorm), last dim contiguous.
-- ``k_pe``         ``[T, 64]`` roped key, last dim contiguous.
+- ``k_pe``         ``[T, 64]`` key rope part (already roped, or raw with ``rope``), last dim
+                   contiguous (any row stride: c and k_pe may be column views of one buffer).
 - ``kv_cache``     ``[num_pages, page_size, 576]`` bf16 / fp16 / fp32 or float8_e4m3fn; last
                    dim contiguous. Row = ``[c | k_pe]``.
 - ``slot_mapping`` ``[T]`` int64, ``page * page_size + offset``; negative -> token skipped
@@ -11,11 +12,23 @@ Layouts:
 - ``kv_scale``     FP8 only: one-element fp32 tensor; stored = sat(value / scale) with
                    saturation to +-448 (e4m3 has no inf) and round-to-nearest-even.
 
-One program per token writes its whole 576-wide row; the launch depends only on T, so it
-can be captured in a CUDA graph with static input buffers.
+RoPE fused into the write (``rope=CacheRope(positions, cos, sin, q_pe, q_pe_out)``): ``k_pe``
+is the RAW key rope part, rotated before it is stored, and ``q_pe`` (``[T, H, 64]``, any
+token/head strides, e.g. the rope columns of the q_b_proj output viewed ``[T, H, 192]``) is
+rotated too, in place or into ``q_pe_out`` (e.g. the rope columns of the absorbed decode
+query ``[T, H, 576]``). DeepSeek's interleaved pairing: (x[2i], x[2i+1]) rotate by the angle
+of frequency i, with ``cos``/``sin`` ``[max_position, 32]`` fp32 tables (``RotaryEmbedding``'s,
+YaRN included). Rotated values are computed in fp32 and rounded to their tensor's dtype (as
+the torch path does) before the FP8 quantisation. Padding tokens (slot < 0) still get their q
+rotated.
+
+One program per token writes its whole 576-wide row (and rotates its q heads); the launch
+depends only on T, so it can be captured in a CUDA graph with static input buffers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,39 +38,103 @@ from moeserve.kernels.mla_decode import FP8_E4M3_MAX, KV_LORA_RANK, LATENT_DIM, 
 
 
 @triton.jit
+def _rotate_pairs(x1, x2, cos, sin):
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _write_mla_cache_kernel(
     c_ptr,
     pe_ptr,
     kv_ptr,
     slot_ptr,
     scale_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    qo_ptr,
     stride_c,
     stride_pe,
     stride_kv_page,
     stride_kv_tok,
     page_size,  # runtime: any page size >= 1 (value 1 gets its own specialisation)
+    stride_cs,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_qot,
+    stride_qoh,
     D_LAT: tl.constexpr,
     D_ROPE: tl.constexpr,
     QUANT: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    ROPE: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0)
+    t64 = t.to(tl.int64)
     slot = tl.load(slot_ptr + t)
     valid = slot >= 0
     safe = tl.where(valid, slot, 0)
     row = kv_ptr + (safe // page_size) * stride_kv_page + (safe % page_size) * stride_kv_tok
     offs_d = tl.arange(0, D_LAT)
-    offs_r = tl.arange(0, D_ROPE)
-    c = tl.load(c_ptr + t.to(tl.int64) * stride_c + offs_d).to(tl.float32)
-    pe = tl.load(pe_ptr + t.to(tl.int64) * stride_pe + offs_r).to(tl.float32)
+    c = tl.load(c_ptr + t64 * stride_c + offs_d).to(tl.float32)
+    pe_row = pe_ptr + t64 * stride_pe
+    if ROPE:
+        HALF: tl.constexpr = D_ROPE // 2
+        offs_i = tl.arange(0, HALF)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * stride_cs + offs_i)
+        sin = tl.load(sin_ptr + pos * stride_cs + offs_i)
+        x1 = tl.load(pe_row + 2 * offs_i).to(tl.float32)
+        x2 = tl.load(pe_row + 2 * offs_i + 1).to(tl.float32)
+        y1, y2 = _rotate_pairs(x1, x2, cos, sin)
+        # the torch path stores the rotated key in the activation dtype first
+        pe_a = y1.to(pe_ptr.dtype.element_ty).to(tl.float32)
+        pe_b = y2.to(pe_ptr.dtype.element_ty).to(tl.float32)
+        if HAS_Q:
+            offs_h = tl.arange(0, BLOCK_H)
+            mask_q = (offs_h < num_heads)[:, None] & (offs_i < HALF)[None, :]
+            q = q_ptr + t64 * stride_qt + offs_h[:, None] * stride_qh + 2 * offs_i[None, :]
+            q1 = tl.load(q, mask=mask_q, other=0.0).to(tl.float32)
+            q2 = tl.load(q + 1, mask=mask_q, other=0.0).to(tl.float32)
+            r1, r2 = _rotate_pairs(q1, q2, cos[None, :], sin[None, :])
+            qo = qo_ptr + t64 * stride_qot + offs_h[:, None] * stride_qoh + 2 * offs_i[None, :]
+            tl.store(qo, r1.to(qo_ptr.dtype.element_ty), mask=mask_q)
+            tl.store(qo + 1, r2.to(qo_ptr.dtype.element_ty), mask=mask_q)
+    else:
+        offs_r = tl.arange(0, D_ROPE)
+        pe = tl.load(pe_row + offs_r).to(tl.float32)
     if QUANT:
         scale = tl.load(scale_ptr).to(tl.float32)
         # IEEE division so the result matches torch's x / scale bit for bit.
         c = tl.clamp(tl.div_rn(c, scale), -FP8_MAX, FP8_MAX)
-        pe = tl.clamp(tl.div_rn(pe, scale), -FP8_MAX, FP8_MAX)
+        if ROPE:
+            pe_a = tl.clamp(tl.div_rn(pe_a, scale), -FP8_MAX, FP8_MAX)
+            pe_b = tl.clamp(tl.div_rn(pe_b, scale), -FP8_MAX, FP8_MAX)
+        else:
+            pe = tl.clamp(tl.div_rn(pe, scale), -FP8_MAX, FP8_MAX)
     dst = kv_ptr.dtype.element_ty
     tl.store(row + offs_d, c.to(dst), mask=valid & (offs_d < D_LAT))
-    tl.store(row + D_LAT + offs_r, pe.to(dst), mask=valid & (offs_r < D_ROPE))
+    if ROPE:
+        ok = valid & (offs_i < HALF)
+        tl.store(row + D_LAT + 2 * offs_i, pe_a.to(dst), mask=ok)
+        tl.store(row + D_LAT + 2 * offs_i + 1, pe_b.to(dst), mask=ok)
+    else:
+        tl.store(row + D_LAT + offs_r, pe.to(dst), mask=valid & (offs_r < D_ROPE))
+
+
+@dataclass(frozen=True)
+class CacheRope:
+    """The RoPE stage of a cache write (see the module docstring)."""
+
+    positions: torch.Tensor  # [T] int64 (or int32) token positions
+    cos: torch.Tensor  # [max_position, 32] fp32
+    sin: torch.Tensor  # [max_position, 32] fp32
+    q_pe: torch.Tensor | None = None  # [T, H, 64], last dim contiguous
+    q_pe_out: torch.Tensor | None = None  # like q_pe; None: rotate q_pe in place
 
 
 def _check(
@@ -66,6 +143,7 @@ def _check(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None,
+    rope: CacheRope | None = None,
 ) -> None:
     tokens = c.shape[0]
     if c.shape != (tokens, KV_LORA_RANK) or c.stride(-1) != 1:
@@ -78,6 +156,23 @@ def _check(
         raise ValueError("slot_mapping must be [T] int64")
     if kv_cache.dtype == torch.float8_e4m3fn and (kv_scale is None or kv_scale.numel() != 1):
         raise ValueError("an FP8 cache needs kv_scale, a one-element fp32 tensor")
+    if rope is None:
+        return
+    if rope.positions.shape != (tokens,) or rope.positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError("positions must be [T] int64 or int32")
+    half = ROPE_DIM // 2
+    for name, tab in (("cos", rope.cos), ("sin", rope.sin)):
+        if tab.dim() != 2 or tab.shape[1] != half or tab.dtype != torch.float32:
+            raise ValueError(f"{name} must be an fp32 [max_position, {half}] table")
+    if rope.cos.stride() != rope.sin.stride() or rope.cos.stride(1) != 1:
+        raise ValueError("cos and sin must share one row-major layout")
+    for name, q in (("q_pe", rope.q_pe), ("q_pe_out", rope.q_pe_out)):
+        if q is not None and (
+            q.dim() != 3 or q.shape[::2] != (tokens, ROPE_DIM) or q.stride(-1) != 1
+        ):
+            raise ValueError(f"{name} must be [T, H, {ROPE_DIM}] with a contiguous last dim")
+    if rope.q_pe_out is not None and (rope.q_pe is None or rope.q_pe_out.shape != rope.q_pe.shape):
+        raise ValueError("q_pe_out needs q_pe, and the same shape")
 
 
 def write_mla_cache(
@@ -86,29 +181,56 @@ def write_mla_cache(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
+    rope: CacheRope | None = None,
 ) -> None:
-    """Store row ``[c[t] | k_pe[t]]`` at ``slot_mapping[t]`` for every t with a slot >= 0."""
-    _check(c, k_pe, kv_cache, slot_mapping, kv_scale)
+    """Store row ``[c[t] | k_pe[t]]`` at ``slot_mapping[t]`` for every t with a slot >= 0;
+    with ``rope``, k_pe is rotated before it is stored and q_pe rotated too (one launch)."""
+    _check(c, k_pe, kv_cache, slot_mapping, kv_scale, rope)
     if c.shape[0] == 0:
         return
     quant = kv_cache.dtype == torch.float8_e4m3fn
+    q = rope.q_pe if rope is not None else None
+    qo = (rope.q_pe_out if rope.q_pe_out is not None else q) if rope is not None else None
+    heads = q.shape[1] if q is not None else 1
     _write_mla_cache_kernel[(c.shape[0],)](
         c,
         k_pe,
         kv_cache,
         slot_mapping,
         kv_scale if quant else c,
+        rope.positions if rope is not None else slot_mapping,
+        rope.cos if rope is not None else c,
+        rope.sin if rope is not None else c,
+        q if q is not None else c,
+        qo if qo is not None else c,
         c.stride(0),
         k_pe.stride(0),
         kv_cache.stride(0),
         kv_cache.stride(1),
         kv_cache.shape[1],
+        rope.cos.stride(0) if rope is not None else 0,
+        heads,
+        q.stride(0) if q is not None else 0,
+        q.stride(1) if q is not None else 0,
+        qo.stride(0) if qo is not None else 0,
+        qo.stride(1) if qo is not None else 0,
         D_LAT=KV_LORA_RANK,
         D_ROPE=ROPE_DIM,
         QUANT=quant,
         FP8_MAX=FP8_E4M3_MAX,
-        num_warps=2,
+        ROPE=rope is not None,
+        HAS_Q=q is not None,
+        BLOCK_H=triton.next_power_of_2(heads),
+        num_warps=2 if q is None or heads <= 16 else 4,
     )
+
+
+def rope_interleaved_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved RoPE of ``x [..., 64]`` with per-token ``cos``/``sin`` rows
+    broadcast against it ([..., 32] fp32); computed in fp32, returned in x's dtype."""
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    y = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return y.to(x.dtype)
 
 
 def write_mla_cache_ref(
@@ -117,9 +239,17 @@ def write_mla_cache_ref(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
+    rope: CacheRope | None = None,
 ) -> None:
-    """torch reference of :func:`write_mla_cache` (also the CPU path)."""
-    _check(c, k_pe, kv_cache, slot_mapping, kv_scale)
+    """torch reference of :func:`write_mla_cache`."""
+    _check(c, k_pe, kv_cache, slot_mapping, kv_scale, rope)
+    if rope is not None:
+        pos = rope.positions.long()
+        cos, sin = rope.cos[pos], rope.sin[pos]  # [T, 32]
+        k_pe = rope_interleaved_ref(k_pe, cos, sin)
+        if rope.q_pe is not None:
+            q = rope_interleaved_ref(rope.q_pe, cos[:, None], sin[:, None])
+            (rope.q_pe_out if rope.q_pe_out is not None else rope.q_pe).copy_(q)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     rows = torch.cat([c[keep], k_pe[keep]], dim=-1).float()

@@ -16,7 +16,9 @@ Layouts:
 - ``kv_cache``     ``[num_pages, page_size, 576]`` bf16 / fp16 / fp32 / float8_e4m3fn
                    (``kv_scale`` for FP8), any page_size >= 1.
 - ``cu_seqlens_q`` ``[B+1]`` int32: new tokens of sequence b are rows
-                   ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of ``q``.
+                   ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of ``q``. It may start above 0:
+                   the MLA layer passes the tail of a mixed batch's query_start (its
+                   leading decode rows go to mla_decode) and rows outside are untouched.
 - ``seq_lens``     ``[B]`` int32: prefix + new tokens in the cache; the new tokens are the
                    last ``q_len`` cached positions, so query i of b sits at position
                    ``seq_lens[b] - q_len_b + i`` and sees keys ``0..position`` (causal).

@@ -12,6 +12,8 @@ Weight layout (stacked experts, ModelOpt NVFP4 per expert, see nvfp4_gemm.py):
   w2_gs      fp32          [E]
 Routing: topk_ids int32 [M, k], topk_weights fp32 [M, k]. Output [M, H] in x.dtype:
   out[m] = sum_j topk_weights[m, j] * down_e(silu(gate_e(x_m)) * up_e(x_m)),  e = topk_ids[m, j]
+over the slots with 0 <= e < E: with expert parallelism the ids are local to this rank's E
+experts and other ranks' experts are out of range (their slots are skipped, not computed).
 
 Kernels: one single-program Triton kernel sorts the M*k (token, expert) slots by expert into
 blocks of BLOCK_M rows (padding slots = M*k); each expert's weights are then streamed once per
@@ -66,13 +68,17 @@ def fused_moe_nvfp4_ref(
     w2_scale: torch.Tensor,
     w2_gs: torch.Tensor,
     out: torch.Tensor | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
     """Loop over the experts that received tokens; fp32 math, intermediate rounded to x.dtype
-    (as the fused kernel stores it)."""
+    (as the fused kernel stores it). Ids outside [0, E) (another rank's experts) add nothing;
+    `accumulate` adds the result to `out`'s values."""
     m, _ = x.shape
     inter_size = w13.shape[1] // 2
     acc = torch.zeros(m, x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
         rows, cols = (topk_ids == e).nonzero(as_tuple=True)
         w13_e = dequantize_nvfp4(w13[e], w13_scale[e], w13_gs[e], torch.float32)
         w2_e = dequantize_nvfp4(w2[e], w2_scale[e], w2_gs[e], torch.float32)
@@ -81,6 +87,8 @@ def fused_moe_nvfp4_ref(
         a = (torch.nn.functional.silu(g) * u).to(x.dtype).float()
         y = a @ w2_e.t()
         acc.index_add_(0, rows, y * topk_weights[rows, cols].float()[:, None])
+    if accumulate:
+        acc += out.float()
     res = acc.to(x.dtype)
     if out is not None:
         out.copy_(res)
@@ -126,8 +134,9 @@ def _moe_align_kernel(
     tl.debug_barrier()
     for ci in range(SLOT_CHUNKS):
         o = ci * CHUNK + offs
-        msk = o < Mk
-        ids = tl.load(ids_ptr + o, mask=msk, other=0)
+        ids = tl.load(ids_ptr + o, mask=o < Mk, other=-1)
+        msk = (o < Mk) & (ids >= 0) & (ids < E)  # other ranks' experts (EP) are skipped
+        ids = tl.where(msk, ids, 0)
         rank = tl.atomic_add(counts_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=msk)
         tl.store(ranks_ptr + o, rank, mask=msk)
     tl.debug_barrier()
@@ -149,8 +158,9 @@ def _moe_align_kernel(
     tl.debug_barrier()
     for ci in range(SLOT_CHUNKS):
         o = ci * CHUNK + offs
-        msk = o < Mk
-        ids = tl.load(ids_ptr + o, mask=msk, other=0)
+        ids = tl.load(ids_ptr + o, mask=o < Mk, other=-1)
+        msk = (o < Mk) & (ids >= 0) & (ids < E)
+        ids = tl.where(msk, ids, 0)
         rank = tl.load(ranks_ptr + o, mask=msk, other=0, volatile=True)
         st = tl.load(counts_ptr + ids, mask=msk, other=0, volatile=True)
         tl.store(sorted_ptr + st * BLOCK_M + rank, o, mask=msk)
@@ -533,14 +543,32 @@ def _moe_down_mma_kernel(
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, out_ptr, H, stride_om, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[m, :] = sum_j y[m*TOPK + j, :] (fp32 sum, stored in out's dtype)."""
+def _moe_combine_kernel(
+    y_ptr,
+    ids_ptr,
+    out_ptr,
+    H,
+    E,
+    stride_om,
+    TOPK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    """out[m, :] (+)= sum_j y[m*TOPK + j, :] over the slots whose expert is in [0, E) (fp32
+    sum, stored in out's dtype); other slots (experts of other ranks) were never computed.
+    ACCUMULATE adds out's own values first (the shared expert's output: no separate add)."""
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     msk = offs < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    if ACCUMULATE:
+        acc += tl.load(out_ptr + m.to(tl.int64) * stride_om + offs, mask=msk, other=0.0).to(
+            tl.float32
+        )
     for j in range(TOPK):
-        acc += tl.load(y_ptr + (m * TOPK + j).to(tl.int64) * H + offs, mask=msk, other=0.0)
+        e = tl.load(ids_ptr + m * TOPK + j)
+        ok = msk & (e >= 0) & (e < E)
+        acc += tl.load(y_ptr + (m * TOPK + j).to(tl.int64) * H + offs, mask=ok, other=0.0)
     tl.store(
         out_ptr + m.to(tl.int64) * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=msk
     )
@@ -635,18 +663,23 @@ def fused_moe_nvfp4(
     down_config: dict[str, int] | None = None,
     decode: int | None = None,
     kernel: str | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
     """Fused NVFP4 MoE, see the module docstring for layouts. Graph-capturable (no host sync);
     temporaries come from the caching allocator (the graph's pool under capture).
+    `accumulate`: add the result to `out`'s values (given) instead of overwriting them.
     `kernel`: "gemv" (CUDA-core decode path, blocks of a few slots), "gemv_mma" (register-fed
     mma.sync, blocks of up to 8 slots, GPU only), "mma" (tensor-core tl.dot) or None:
     gemv_mma between tiles.json's "moe_gemv_mma" min_m and max_m tokens (where the shapes
     allow and the start-up probe passed), else GEMV up to "moe_gemv"'s max_m, else mma."""
     _check_moe_args(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs)
+    topk_ids = topk_ids.to(torch.int32).contiguous()  # no-op for the router's output
     m, h = x.shape
     num_e, two_i, _ = w13.shape
     topk = topk_ids.shape[1]
     if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs the tensor to add to (out)")
         out = torch.empty(m, h, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -686,11 +719,14 @@ def fused_moe_nvfp4(
         raise ValueError(f"unknown MoE kernel {kernel!r}")
     _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK_H))](
         y,
+        topk_ids,
         out,
         h,
+        num_e,
         out.stride(0),
         TOPK=topk,
         BLOCK_H=COMBINE_BLOCK_H,
+        ACCUMULATE=accumulate,
         num_warps=4,
     )
     return out

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.dist.parallel import SINGLE, TPGroup
-from moeserve.layers.quant.base import LinearMethod, make_param
+from moeserve.layers.quant.base import LinearMethod, make_param, materialize
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -25,7 +25,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, w: torch.Tensor, shard_id: object = None) -> None:
-        rows = w[self.start : self.start + self.per_rank]
+        rows = materialize(w[self.start : self.start + self.per_rank])
         param.data[: rows.shape[0]].copy_(rows)
         param.data[rows.shape[0] :].zero_()
 

@@ -11,7 +11,13 @@ import torch
 from torch import nn
 
 from moeserve.dist.parallel import SINGLE, TPGroup
-from moeserve.layers.quant.base import NoQuant, QuantConfig, make_param
+from moeserve.layers.quant.base import (
+    NoQuant,
+    QuantConfig,
+    check_block_split,
+    make_param,
+    materialize,
+)
 
 ShardId = str | int | None
 
@@ -32,9 +38,13 @@ class LinearBase(nn.Module):
         prefix: str = "",
         tp: TPGroup = SINGLE,
         dtype: torch.dtype = torch.float32,
+        reduce_results: bool = True,
     ) -> None:
+        """`reduce_results=False` (row-parallel): return this rank's partial sum; the caller
+        all-reduces (fused with the residual add and the next norm)."""
         super().__init__()
         self.tp = tp
+        self.reduce_results = reduce_results
         self.prefix = prefix
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
@@ -50,6 +60,11 @@ class LinearBase(nn.Module):
             self.bias = None
         for p in self.parameters(recurse=False):
             p.weight_loader = self.weight_loader
+            if self.split_output and p.output_dim is not None:
+                for n in self.local_outputs:
+                    check_block_split(prefix, n, p.output_block, tp.size)
+            if self.split_input and p.input_dim is not None:
+                check_block_split(prefix, self.local_input, p.input_block, tp.size)
 
     # ---- sharding ------------------------------------------------------------------------
     def _local_output_sizes(self) -> list[int]:
@@ -69,10 +84,10 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, w: torch.Tensor, shard_id: ShardId = None) -> None:
         i = self._shard_index(shard_id)
         if getattr(param, "per_shard", False):  # one value per fused shard (e.g. FP4 global)
-            param.data[i].copy_(w.reshape(()))
+            param.data[i].copy_(materialize(w).reshape(()))
             return
         if param.output_dim is None and param.input_dim is None:
-            param.data.copy_(w.reshape(param.shape))
+            param.data.copy_(materialize(w).reshape(param.shape))
             return
         if param.output_dim is not None:
             d = param.output_dim
@@ -87,6 +102,7 @@ class LinearBase(nn.Module):
             d = param.input_dim
             n = w.shape[d] // self.tp.size
             w = w.narrow(d, self.tp.rank * n, n)
+        w = materialize(w)
         if dst.shape != w.shape:
             raise ValueError(
                 f"{self.prefix}: checkpoint tensor {tuple(w.shape)} does not fit {tuple(dst.shape)}"
@@ -102,10 +118,12 @@ class LinearBase(nn.Module):
     # ---- compute -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
-        if self.split_input:
+        if self.split_input and self.reduce_results:
             y = self.tp.all_reduce(y)
-        if self.bias is not None:
-            y = y + self.bias
+        if self.bias is not None and (
+            self.reduce_results or not self.split_input or self.tp.rank == 0
+        ):
+            y = y + self.bias  # a partial sum carries the bias on one rank only
         return y
 
 
@@ -114,6 +132,52 @@ class ReplicatedLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, **kw) -> None:
         super().__init__(input_size, [output_size], **kw)
+
+
+class MergedReplicatedLinear(LinearBase):
+    """Replicated layers over one input fused along outputs (MLA's q_a + kv_a): shard ids 0,
+    1, ... Scalar parameters load one value per shard, then become the one scalar the kernels
+    take: equal values as they are; NVFP4 weight globals that differ (separately quantized
+    layers) as shard 0's, with shard i's output columns scaled by global_i / global_0 (exact
+    to fp32 rounding); optional activation scales (weight-only kernels ignore them) as their
+    maximum."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], **kw) -> None:
+        super().__init__(input_size, output_sizes, **kw)
+        for name, p in list(self.named_parameters(recurse=False)):
+            if p.output_dim is None and p.input_dim is None and p.numel() == 1:
+                q = make_param(p.data.new_zeros(len(output_sizes), *p.shape), None, None)
+                q.per_shard, q.optional = True, getattr(p, "optional", False)
+                q.weight_loader = self.weight_loader
+                setattr(self, name, q)
+        self.register_buffer("shard_scale", None, persistent=False)  # [out] fp32 or None
+
+    def process_weights_after_loading(self) -> None:
+        params = self.named_parameters(recurse=False)
+        per_shard = [(n, p) for n, p in params if getattr(p, "per_shard", False)]
+        for name, p in per_shard:
+            value = p.data.amax(0) if p.optional else p.data[0]
+            if not p.optional and not bool((p == p[:1]).all()):
+                self.shard_scale = self._global_ratios(name, p.data)
+            q = make_param(value.clone(), None, None)
+            q.optional, q.weight_loader = p.optional, p.weight_loader
+            setattr(self, name, q)
+        super().process_weights_after_loading()
+
+    def _global_ratios(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        scheme = getattr(self.method, "scheme", None)
+        t = {s: getattr(self, s) for s in getattr(self, "scheme_suffixes", ())}
+        if scheme is None or scheme.nvfp4_view(t) is None:
+            raise ValueError(f"{self.prefix}: merged shards hold different {name}")
+        g = [scheme.nvfp4_view({**t, name: v})[2].float().reshape(()) for v in values]
+        sizes = self.local_outputs
+        return torch.cat([(gi / g[0]).expand(n) for gi, n in zip(g, sizes, strict=True)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard_scale is None:
+            return super().forward(x)
+        y = self.method.apply(self, x).mul_(self.shard_scale)
+        return y if self.bias is None else y + self.bias
 
 
 class ColumnParallelLinear(LinearBase):

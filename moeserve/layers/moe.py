@@ -1,13 +1,17 @@
 """Mixture-of-experts block of DeepSeek-V3 / Kimi: router, routed experts, shared experts.
 
-Routed experts live in three stacked banks (`gate_proj`, `up_proj`, `down_proj`), each a
-[E, out, in] weight in whatever format the checkpoint uses (a `WeightScheme` from
-`layers/quant`). Checkpoint tensors `...experts.{e}.{proj}.{suffix}` load into row `e` of
-`experts.{proj}.{suffix}`; transformers-5 stacked tensors (`experts.gate_up_proj`
-[E, 2I, H], gate rows first, and `experts.down_proj` [E, H, I]) load whole.
+Routed experts live in two stacked banks, `w13` (gate rows then up rows) and `w2` (down),
+each [E_local, out, in] in whatever format the checkpoint uses (a `WeightScheme` from
+`layers/quant`): the layout the fused GPU kernel reads, loaded in place. Checkpoint tensors
+`...experts.{e}.{gate,up,down}_proj.{suffix}` load into their expert's rows through shard ids
+(expert, part); transformers-5 stacked tensors (`experts.gate_up_proj` [E, 2I, H], gate rows
+first, and `experts.down_proj` [E, H, I]) load with expert None.
 
 Tensor parallelism splits every expert's intermediate dimension (gate/up rows, down
-columns); the block all-reduces its output once.
+columns); expert parallelism (`TPGroup.expert_parallel`) gives each rank E/N whole experts
+and maps the router's global ids to local ones (others' are skipped). Either way the block
+returns this rank's partial sum, which the decoder all-reduces together with the residual
+add and the next norm (no extra collective for EP).
 
 CPU path: loop over the experts the batch hit; each is dequantized on the fly, so memory
 holds only the stored format.
@@ -25,7 +29,13 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
-from moeserve.layers.quant.base import QuantConfig, copy_loader, make_param
+from moeserve.layers.quant.base import (
+    QuantConfig,
+    check_block_split,
+    copy_loader,
+    make_param,
+    materialize,
+)
 from moeserve.layers.quant.scheme import WeightScheme, gpu_kernels_enabled
 
 log = logging.getLogger(__name__)
@@ -108,78 +118,152 @@ class DeepseekMLP(nn.Module):
             hidden, intermediate, prefix=f"{prefix}.gate_proj", **kw
         )
         self.up_proj = ColumnParallelLinear(hidden, intermediate, prefix=f"{prefix}.up_proj", **kw)
-        down_tp = tp if reduce_output else _NoReduce(tp.rank, tp.size, tp.group)
         self.down_proj = RowParallelLinear(
-            intermediate, hidden, prefix=f"{prefix}.down_proj", quant=quant, tp=down_tp, dtype=dtype
+            intermediate,
+            hidden,
+            prefix=f"{prefix}.down_proj",
+            reduce_results=reduce_output,
+            **kw,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-@dataclass(frozen=True)
-class _NoReduce(TPGroup):
-    """This rank's slicing without the all-reduce (the caller reduces a sum once)."""
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-
 # ---- routed experts -------------------------------------------------------------------------
+ExpertShard = tuple[int | None, int]  # (expert, or None for a tensor stacking all; part)
+
+
 class ExpertBank(nn.Module):
-    """One projection of all experts: parameters [E, ...] per tensor of the weight scheme."""
+    """One stacked projection of this rank's experts, in the checkpoint's format: `w13` (gate
+    rows then up rows: parts 0 and 1) or `w2` (down: one part).
+
+    Storage per tensor of the weight scheme, for parts of [out, in] each: a tensor split
+    along outputs is stacked as [E_local, parts * rows, ...] (each part's rows contiguous);
+    a per-weight scalar (a global scale) as [E_local, parts, ...]. The checkpoint's
+    per-expert tensors load straight into their rows (`weight_loader` with shard id
+    (expert, part)); nothing is concatenated or copied after loading.
+    """
 
     def __init__(
         self,
         scheme: WeightScheme,
-        num_experts: int,
+        layout: ExpertLayout,
+        parts: int,
         out_features: int,
         in_features: int,
         split: str,
-        tp: TPGroup,
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
         self.scheme = scheme
-        self.split = split  # "out" (gate/up) or "in" (down): the intermediate dimension
-        self.tp = tp
-        local_out = tp.shard(out_features) if split == "out" else out_features
-        local_in = tp.shard(in_features) if split == "in" else in_features
-        self.specs = scheme.specs(local_out, local_in, dtype)
+        self.layout = layout
+        self.parts = parts
+        self.split = split  # "out" (w13) or "in" (w2): the intermediate dimension
+        tp = layout.split
+        self.local_out = tp.shard(out_features) if split == "out" else out_features
+        self.local_in = tp.shard(in_features) if split == "in" else in_features
+        self.specs = scheme.specs(self.local_out, self.local_in, dtype)
         for s in self.specs:
-            p = make_param(torch.zeros((num_experts, *s.shape), dtype=s.dtype), None, None)
+            if split == "out" and s.out_dim is not None:
+                check_block_split("routed experts", self.local_out, s.out_block, tp.size)
+            if split == "in" and s.in_dim is not None:
+                check_block_split("routed experts", self.local_in, s.in_block, tp.size)
+            if s.out_dim is None:
+                shape = (layout.num_local, parts, *s.shape)
+            else:
+                shape = (layout.num_local, parts * s.shape[0], *s.shape[1:])
+            p = make_param(torch.zeros(shape, dtype=s.dtype), None, None)
             p.optional = s.optional
             p.weight_loader = self.weight_loader
             p.spec = s
             setattr(self, s.suffix, p)
 
     def weight_loader(
-        self, param: nn.Parameter, w: torch.Tensor, expert: int | None = None
+        self, param: nn.Parameter, w: torch.Tensor, shard: ExpertShard = (None, 0)
     ) -> None:
-        """Row `expert` from a per-expert tensor, or all rows from a stacked [E, ...] one."""
+        """Expert `shard[0]`'s part `shard[1]` from a per-expert checkpoint tensor, or, with
+        expert None, that part of every expert from a stacked [E, ...] one. Experts this rank
+        does not hold are skipped without reading the tensor."""
+        expert, part = shard
         if expert is None:
-            for e in range(w.shape[0]):
-                self.weight_loader(param, w[e], e)
+            first, count = self.layout.first, self.layout.num_local
+            for e in range(count):
+                self._load_one(param, _select(w, first + e), e, part)
             return
-        s: object = param.spec
+        local = self.layout.local_index(expert)
+        if local is not None:
+            self._load_one(param, w, local, part)
+
+    def _load_one(self, param: nn.Parameter, w: torch.Tensor, local: int, part: int) -> None:
+        s = param.spec
+        tp = self.layout.split
         axis = s.out_dim if self.split == "out" else s.in_dim
-        if axis is not None and self.tp.size > 1:
-            n = w.shape[axis] // self.tp.size
-            w = w.narrow(axis, self.tp.rank * n, n)
-        dst = param.data[expert]
+        if axis is not None and tp.size > 1:
+            n = w.shape[axis] // tp.size
+            w = w.narrow(axis, tp.rank * n, n)
+        if s.out_dim is None:
+            dst = param.data[local, part]
+        else:
+            rows = s.shape[0]
+            dst = param.data[local].narrow(0, part * rows, rows)
+        w = materialize(w)
         if dst.numel() == w.numel() and dst.dim() <= 1:
             w = w.reshape(dst.shape)  # scalars stored as [] or [1]
         if dst.shape != w.shape:
             raise ValueError(f"expert tensor {tuple(w.shape)} does not fit {tuple(dst.shape)}")
         dst.copy_(w)
 
+    def part_tensors(self, expert: int, part: int) -> dict[str, torch.Tensor]:
+        """The scheme's tensors of one part of one local expert (views)."""
+        out = {}
+        for s in self.specs:
+            t = getattr(self, s.suffix)[expert]
+            out[s.suffix] = (
+                t[part] if s.out_dim is None else t.narrow(0, part * s.shape[0], s.shape[0])
+            )
+        return out
+
     def dense(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.scheme.dequantize(
-            {s.suffix: getattr(self, s.suffix)[expert] for s in self.specs}, dtype
-        )
+        """[parts * out, in] dense weight of one local expert (CPU path)."""
+        parts = [
+            self.scheme.dequantize(self.part_tensors(expert, p), dtype) for p in range(self.parts)
+        ]
+        return parts[0] if self.parts == 1 else torch.cat(parts, 0)
+
+
+def _select(w: torch.Tensor, index: int) -> torch.Tensor:
+    return w.select(0, index) if isinstance(w, torch.Tensor) else w[index]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Which experts this rank holds and how each is sliced.
+
+    Tensor parallel (default): every rank holds all experts, each split along its
+    intermediate dim (`split` = the TP group). Expert parallel: rank r holds experts
+    [r*E/N, (r+1)*E/N) whole (`split` = no split)."""
+
+    num_experts: int
+    first: int
+    num_local: int
+    split: TPGroup
+
+    @staticmethod
+    def of(num_experts: int, tp: TPGroup) -> ExpertLayout:
+        if tp.expert_parallel and tp.size > 1:
+            per = tp.shard_experts(num_experts)
+            return ExpertLayout(num_experts, tp.rank * per, per, SINGLE)
+        return ExpertLayout(num_experts, 0, num_experts, tp)
+
+    def local_index(self, expert: int) -> int | None:
+        i = expert - self.first
+        return i if 0 <= i < self.num_local else None
 
 
 class RoutedExperts(nn.Module):
+    """This rank's routed experts: `w13` (gate+up) and `w2` (down) banks."""
+
     def __init__(
         self,
         num_experts: int,
@@ -190,69 +274,80 @@ class RoutedExperts(nn.Module):
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
+        self.layout = ExpertLayout.of(num_experts, tp)
         self.num_experts = num_experts
-        self.gate_proj = ExpertBank(scheme, num_experts, intermediate, hidden, "out", tp, dtype)
-        self.up_proj = ExpertBank(scheme, num_experts, intermediate, hidden, "out", tp, dtype)
-        self.down_proj = ExpertBank(scheme, num_experts, hidden, intermediate, "in", tp, dtype)
-        self._fused: tuple[torch.Tensor, ...] | None = None
+        self.w13 = ExpertBank(scheme, self.layout, 2, intermediate, hidden, "out", dtype)
+        self.w2 = ExpertBank(scheme, self.layout, 1, hidden, intermediate, "in", dtype)
+        self._dtype = dtype  # activations
+        self._kernel_args: tuple[torch.Tensor, ...] | None = None
 
-    def _fused_nvfp4(self) -> tuple[torch.Tensor, ...] | None:
-        """Stacked [E, 2I, ...] gate+up and [E, H, ...] down in the fused kernel's layout,
-        built once on first GPU use; None when the experts are not NVFP4."""
-        if self._fused is None:
-            views = []
-            for bank in (self.gate_proj, self.up_proj, self.down_proj):
-                view = bank.scheme.nvfp4_view(
-                    {s.suffix: getattr(bank, s.suffix) for s in bank.specs}
-                )
-                if view is None:
-                    self._fused = ()
-                    return None
-                views.append(view)
-            (pg, sg, gg), (pu, su, gu), (pd, sd, gd) = views
-            gs13 = torch.maximum(gg.reshape(-1), gu.reshape(-1)).float()
-            if not (torch.equal(gg.reshape(-1), gs13) and torch.equal(gu.reshape(-1), gs13)):
-                # one global per expert for gate+up: fold the ratio into the block scales
-                log.info("MoE: gate/up global scales differ; block scales rescaled to one global")
-                sg = (sg.float() * (gg.reshape(-1) / gs13)[:, None, None]).to(sg.dtype)
-                su = (su.float() * (gu.reshape(-1) / gs13)[:, None, None]).to(su.dtype)
-            self._fused = (
-                torch.cat([pg, pu], 1).contiguous(),
-                torch.cat([sg, su], 1).contiguous(),
-                gs13,
-                pd.contiguous(),
-                sd.contiguous(),
-                gd.reshape(-1).float().contiguous(),
-            )
-        return self._fused or None
+    def process_weights_after_loading(self) -> None:
+        """NVFP4 on a GPU: one global scale per expert for gate+up (the fused kernel's
+        contract), folded in place into the block scales, and the kernel's argument views."""
+        self._kernel_args = None
+        dev = getattr(self.w13, self.w13.specs[0].suffix).device
+        if dev.type != "cuda" or not gpu_kernels_enabled(dev):
+            return
+        v13 = self.w13.scheme.nvfp4_view(
+            {s.suffix: self.w13.tensor(s.suffix) for s in self.w13.specs}
+        )
+        v2 = self.w2.scheme.nvfp4_view({s.suffix: self.w2.tensor(s.suffix) for s in self.w2.specs})
+        if v13 is None or v2 is None:
+            return
+        (p13, s13, g13), (p2, s2, g2) = v13, v2
+        g13 = g13.float().reshape(self.layout.num_local, 2)
+        gs = g13.amax(dim=1)
+        if not torch.equal(g13[:, 0], g13[:, 1]):
+            log.info("MoE: gate/up global scales differ; block scales rescaled to one global")
+            rows = s13.shape[1] // 2
+            for part in range(2):
+                half = s13[:, part * rows : (part + 1) * rows]
+                ratio = (g13[:, part] / gs)[:, None, None]
+                half.copy_((half.float() * ratio).to(half.dtype))
+        self._kernel_args = (p13, s13, gs.contiguous(), p2, s2, g2.float().reshape(-1).contiguous())
+
+    def to_local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> this rank's (out of [0, E_local) for other ranks' experts)."""
+        return ids - self.layout.first if self.layout.first else ids
 
     @property
     def supports_cuda_graph(self) -> bool:
-        """Only the fused NVFP4 kernel is capturable: the expert loop reads ids on the host.
-        (Asking builds the fused weights, which the first GPU forward would do anyway.)"""
-        dev = getattr(self.gate_proj, self.gate_proj.specs[0].suffix).device
-        return dev.type == "cuda" and gpu_kernels_enabled(dev) and self._fused_nvfp4() is not None
+        """Only the fused NVFP4 kernel (bf16 activations) is capturable: the expert loop reads
+        ids on the host."""
+        return self._kernel_args is not None and self._dtype == torch.bfloat16
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/ids [T, k] -> sum_k w * expert(x) [T, H] (this rank's partial)."""
-        if x.is_cuda and gpu_kernels_enabled(x.device) and self._fused_nvfp4() is not None:
+    def forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        add_to: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, H], weights/ids [T, k] (global ids) -> sum over this rank's experts of
+        w * expert(x) [T, H] (this rank's partial), plus `add_to` (the shared expert's output,
+        added in the kernel's combine step on GPUs; `add_to` may be overwritten)."""
+        local = self.to_local_ids(ids)
+        if self._kernel_args is not None and x.is_cuda and x.dtype == torch.bfloat16:
             from moeserve.kernels.moe import fused_moe_nvfp4
 
-            y = fused_moe_nvfp4(
-                x.to(torch.bfloat16).contiguous(),
-                ids.to(torch.int32).contiguous(),
-                weights.float().contiguous(),
-                *self._fused,
+            return fused_moe_nvfp4(
+                x.contiguous(),
+                local,
+                weights.float(),
+                *self._kernel_args,
+                out=add_to,
+                accumulate=add_to is not None,
             )
-            return y.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            tok, slot = torch.where(ids == e)
+        out = torch.zeros_like(x) if add_to is None else add_to.clone()
+        inter = self.w13.local_out
+        for e in torch.unique(local).tolist():
+            if not 0 <= e < self.layout.num_local:
+                continue
+            tok, slot = torch.where(local == e)
             xe = x[tok]
-            h = F.silu(xe @ self.gate_proj.dense(e, x.dtype).t()) * (
-                xe @ self.up_proj.dense(e, x.dtype).t()
-            )
-            y = h @ self.down_proj.dense(e, x.dtype).t()
+            gu = xe @ self.w13.dense(e, x.dtype).t()
+            h = F.silu(gu[:, :inter]) * gu[:, inter:]
+            y = h @ self.w2.dense(e, x.dtype).t()
             out.index_add_(0, tok, y * weights[tok, slot, None].to(x.dtype))
         return out
 
@@ -306,25 +401,33 @@ class DeepseekMoE(nn.Module):
                 quant,
                 tp,
                 dtype,
-                reduce_output=False,
+                reduce_output=False,  # summed with the routed experts, reduced once
             )
         else:
             self.shared_experts = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights fp32 [T, k], global expert ids [T, k]): one Triton kernel after
+        the gate GEMM on GPUs (kernels/router.py), the torch reference elsewhere."""
         c = self.cfg
-        weights, ids = select_experts(
-            self.gate(x),
-            c.num_experts_per_tok,
+        kw = dict(
             scoring_func=c.scoring_func,
             topk_method=c.topk_method,
-            correction_bias=self.gate.e_score_correction_bias,
             n_group=c.n_group,
             topk_group=c.topk_group,
             norm_topk_prob=c.norm_topk_prob,
             routed_scaling_factor=c.routed_scaling_factor,
         )
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return self.tp.all_reduce(out)
+        logits = self.gate(x)
+        bias = self.gate.e_score_correction_bias
+        if x.is_cuda and gpu_kernels_enabled(x.device):
+            from moeserve.kernels.router import route
+
+            return route(logits, bias, c.num_experts_per_tok, **kw)
+        return select_experts(logits, c.num_experts_per_tok, correction_bias=bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        # this rank's partial sum: the decoder all-reduces it with the residual
+        return self.experts(x, weights, ids, add_to=shared)

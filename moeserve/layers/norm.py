@@ -1,4 +1,9 @@
-"""RMSNorm (optionally fused with the residual add)."""
+"""RMSNorm (optionally fused with the residual add).
+
+On a GPU with the Triton kernels the norm (and the residual add with it) is one launch
+(`moeserve.kernels.norm`); elsewhere torch's `F.rms_norm`. Both normalise in fp32 and agree
+to one rounding of the activation dtype.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.layers.quant.base import copy_loader, make_param
+from moeserve.layers.quant.scheme import gpu_kernels_enabled
+
+
+def use_norm_kernels(x: torch.Tensor) -> bool:
+    """Whether the Triton norm kernels serve `x` (a 2D CUDA tensor on a supported GPU)."""
+    return x.is_cuda and x.dim() == 2 and gpu_kernels_enabled(x.device)
 
 
 class RMSNorm(nn.Module):
@@ -16,10 +27,23 @@ class RMSNorm(nn.Module):
         self.weight = make_param(torch.ones(size, dtype=dtype), None, None)
         self.weight.weight_loader = copy_loader
 
+    def _kernel_ok(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        if not use_norm_kernels(x) or x.stride(-1) != 1 or x.dtype != self.weight.dtype:
+            return False
+        return residual is None or (
+            residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+        )
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm(x), or with `residual`: (RMSNorm(x + residual), x + residual)."""
+        if self._kernel_ok(x, residual):
+            from moeserve.kernels.norm import add_rmsnorm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

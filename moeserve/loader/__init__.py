@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
 import torch
 
+from moeserve.config import ConfigError
 from moeserve.loader.base import LoadedModel, LoadError
+from moeserve.loader.validate import read_json, validate_checkpoint
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -51,12 +56,73 @@ def load_model(
     num_layers: int | None = None,
     load_format: str = "auto",
     tp=None,
+    seed: int = 0,
+    deterministic: bool | None = None,
 ) -> LoadedModel:
+    """Load a model path; any failure is a `LoadError` of one sentence naming the path (the
+    traceback is logged at debug level). Files are checked first (validate.py), so a
+    corrupt header is refused before a loader reads, maps or allocates anything it declares."""
     path = resolve_model_path(model)
+    if load_format != "dummy" or path.endswith(".gguf"):
+        validate_checkpoint(path)
+    elif (Path(path) / "config.json").is_file():
+        read_json(str(Path(path) / "config.json"))
+    try:
+        loaded = _load(
+            path,
+            dtype,
+            device,
+            quantize=quantize,
+            kv_cache_dtype=kv_cache_dtype,
+            num_layers=num_layers,
+            load_format=load_format,
+            tp=tp,
+            seed=seed,
+        )
+    except LoadError:
+        raise
+    except ConfigError as e:
+        raise LoadError(f"{path}: {e}") from None
+    except Exception as e:  # anything else the files caused: one line, details at debug
+        log.debug("loading %s failed", path, exc_info=True)
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise LoadError(f"cannot load {path}: {type(e).__name__}: {first}") from None
+    set_batch_invariant(loaded.model, device == "cpu" if deterministic is None else deterministic)
+    return loaded
+
+
+def set_batch_invariant(model: torch.nn.Module, on: bool) -> None:
+    """Attention layers that can run batch-invariant do so (see `PagedAttention`)."""
+    for layer in model.attention_layers():
+        if hasattr(layer, "batch_invariant"):
+            layer.batch_invariant = on
+
+
+def _load(
+    path: str,
+    dtype: torch.dtype,
+    device: str,
+    *,
+    quantize: str,
+    kv_cache_dtype: str,
+    num_layers: int | None,
+    load_format: str,
+    tp,
+    seed: int,
+) -> LoadedModel:
     if path.endswith(".gguf"):
         from moeserve.loader.gguf import load_gguf_model
 
-        return load_gguf_model(path, dtype, device, quantize=quantize)
+        return load_gguf_model(
+            path,
+            dtype,
+            device,
+            quantize=quantize,
+            tp=tp,
+            num_layers=num_layers,
+            load_format=load_format,
+            kv_cache_dtype=kv_cache_dtype,
+        )
     if not (Path(path) / "config.json").is_file():
         raise LoadError(f"{path} is neither a .gguf file nor a folder with config.json")
     from moeserve.dist.parallel import SINGLE
@@ -70,4 +136,5 @@ def load_model(
         kv_cache_dtype=kv_cache_dtype,
         num_layers=num_layers,
         load_format=load_format,
+        seed=seed,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,3 +23,4 @@ class LoadedModel:
     config: ModelConfig
     kv_cache_dtype: torch.dtype  # what the runner allocates the paged cache in
     description: str  # one line for the start-up banner: format, quantization, dtype
+    quant: Any = None  # the checkpoint's QuantConfig (None: unquantized or GGUF)

@@ -1,7 +1,10 @@
-"""GGUF checkpoints (llama.cpp): Llama architecture, dequantized through `gguf` on load.
+"""GGUF checkpoints (llama.cpp): `llama` and `deepseek2` architectures, dequantized through
+`gguf` on load, one tensor at a time.
 
-Tensor names are mapped to the HF names the model's `load_weights` knows; llama.cpp's
+Tensor names are mapped to the HF names the model's `load_weights` knows. Llama: llama.cpp's
 row permutation of q/k (for its RoPE pairing) is undone, as transformers' GGUF loader does.
+deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2, Moonlight): see `gguf_deepseek`; sharded by tensor
+parallelism through the model's own weight loaders.
 """
 
 from __future__ import annotations
@@ -9,13 +12,15 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from moeserve.config import ModelConfig
+from moeserve.config import ConfigError, ModelConfig
+from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.loader.base import LoadedModel, LoadError
 
 log = logging.getLogger(__name__)
@@ -37,7 +42,11 @@ _LLAMA_BLOCK = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_SUPPORTED = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q4_K", "Q5_K"}
+_SUPPORTED = {
+    *("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
+}
+_LOAD_FORMATS = ("auto", "gguf")
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:
@@ -66,18 +75,23 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def dequantize(t: Any) -> torch.Tensor:
-    """A GGUF tensor as float32 in PyTorch's [out, in] order."""
+def dequantize(t: Any, index: int | None = None) -> torch.Tensor:
+    """A GGUF tensor as float32 in PyTorch's [out, in] order; `index`: only that slice of the
+    outermost dimension (one expert of a stacked [E, out, in] tensor: rows are quantized
+    independently, so a slice of the blocks is that expert)."""
     from gguf import GGMLQuantizationType, quants
 
     kind = GGMLQuantizationType(t.tensor_type)
     if kind.name not in _SUPPORTED:
         raise LoadError(f"GGUF tensor {t.name} uses {kind.name}, which is not supported")
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    data = t.data
+    if index is not None:
+        shape, data = shape[1:], data[index]
     if kind.name in ("F32", "F16"):
-        arr = np.asarray(t.data, dtype=np.float32)
+        arr = np.asarray(data, dtype=np.float32)
     else:
-        arr = quants.dequantize(t.data, kind)
+        arr = quants.dequantize(data, kind)
     # a writable copy: the reader maps the file read-only
     return torch.from_numpy(np.array(arr.reshape(shape), dtype=np.float32))
 
@@ -88,6 +102,9 @@ def iter_llama_weights(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, tor
         if name is None:
             log.info("GGUF tensor %s skipped (not used by this model)", t.name)
             continue
+        m = _BLOCK_RE.match(t.name)
+        if m and int(m.group(1)) >= cfg.num_hidden_layers:
+            continue  # layers cut by num_layers
         w = dequantize(t)
         if name.endswith("q_proj.weight"):
             w = unpermute_qk(w, cfg.num_attention_heads)
@@ -96,40 +113,129 @@ def iter_llama_weights(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, tor
         yield name, w
 
 
+@dataclass(frozen=True)
+class _GGUFFile:
+    reader: Any
+    meta: dict[str, Any]  # every key/value of the file
+    arch_meta: dict[str, Any]  # the architecture's keys, without the `{arch}.` prefix
+    tokenizer: Any
+
+    @property
+    def tensor_names(self) -> set[str]:
+        return {t.name for t in self.reader.tensors}
+
+    def describe(self, what: str) -> str:
+        kinds = "/".join(sorted({t.tensor_type.name for t in self.reader.tensors}))
+        return f"GGUF {self.meta.get('general.name', '')} ({kinds}), {what}"
+
+
 def load_gguf_model(
-    path: str, dtype: torch.dtype, device: str = "cpu", quantize: str = "auto"
+    path: str,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    quantize: str = "auto",
+    tp: TPGroup | None = SINGLE,
+    num_layers: int | None = None,
+    load_format: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
+    """Build the model of a GGUF file (llama or deepseek2) and load its weights.
+
+    `tp`: this rank's tensor-parallel group (deepseek2): every rank reads the whole file and
+    its parameters' weight loaders keep its slice (None: one process). `num_layers`: keep the
+    first N layers.
+    """
     from gguf import GGUFReader
 
-    from moeserve.layers.quant.cpu import cpu_quant_config
-    from moeserve.models.registry import model_class
     from moeserve.tokenizer.gguf_vocab import build_gguf_tokenizer
 
+    if load_format not in _LOAD_FORMATS:
+        raise LoadError(f"load format {load_format!r} does not apply to GGUF files; use auto")
     try:
         reader = GGUFReader(path)
     except (OSError, ValueError) as e:
         raise LoadError(f"cannot read GGUF file {path}: {e}") from None
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise LoadError(f"GGUF architecture {arch!r} is not supported yet (llama only)")
+    if arch not in ("llama", "deepseek2"):
+        raise LoadError(f"GGUF architecture {arch!r} is not supported (llama and deepseek2 are)")
     prefix = f"{arch}."
     arch_meta = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
-    names = {t.name for t in reader.tensors}
-    arch_meta.setdefault("vocab_size", len(meta["tokenizer.ggml.tokens"]))
-    arch_meta["tie_word_embeddings"] = "output.weight" not in names
+    try:
+        tokenizer = build_gguf_tokenizer(meta)
+    except ValueError as e:
+        raise LoadError(str(e)) from None
+    f = _GGUFFile(reader, meta, arch_meta, tokenizer)
+    tp = tp or SINGLE
+    if arch == "deepseek2":
+        return _load_deepseek2(f, dtype, device, quantize, tp, num_layers, kv_cache_dtype)
+    if tp.size > 1:
+        raise LoadError("tensor parallelism over a llama GGUF file is not supported")
+    return _load_llama(f, dtype, device, quantize, num_layers)
+
+
+def _load_llama(
+    f: _GGUFFile, dtype: torch.dtype, device: str, quantize: str, num_layers: int | None
+) -> LoadedModel:
+    from moeserve.layers.quant.cpu import cpu_quant_config
+    from moeserve.models.registry import model_class
+
+    arch_meta = dict(f.arch_meta)
+    arch_meta.setdefault("vocab_size", len(f.meta["tokenizer.ggml.tokens"]))
+    arch_meta["tie_word_embeddings"] = "output.weight" not in f.tensor_names
     cfg = ModelConfig.from_gguf_llama(arch_meta)
-    tokenizer = build_gguf_tokenizer(meta)
-    cfg = _with_special_ids(cfg, tokenizer)
-    quant = cpu_quant_config(_resolve_quantization(quantize, reader, dtype, device))
+    if num_layers is not None:
+        cfg = cfg.with_layers(num_layers)
+    cfg = _with_special_ids(cfg, f.tokenizer)
+    quant = cpu_quant_config(_resolve_quantization(quantize, f.reader, dtype, device))
     model = model_class(cfg.architecture)(cfg, quant=quant, dtype=dtype)
-    model.load_weights(iter_llama_weights(reader, cfg))
+    model.load_weights(iter_llama_weights(f.reader, cfg))
     model.to(device)
-    kinds = sorted({t.tensor_type.name for t in reader.tensors})
-    desc = f"GGUF {meta.get('general.name', '')} ({'/'.join(kinds)}), weights {quant.name}"
     # CPU: an fp32 cache (attention over it is faster in fp32 than bf16 on CPUs; small models)
     kv_dtype = torch.float32 if device == "cpu" else dtype
-    return LoadedModel(model, tokenizer, cfg, kv_dtype, desc)
+    return LoadedModel(model, f.tokenizer, cfg, kv_dtype, f.describe(f"weights {quant.name}"))
+
+
+def _load_deepseek2(
+    f: _GGUFFile,
+    dtype: torch.dtype,
+    device: str,
+    quantize: str,
+    tp: TPGroup,
+    num_layers: int | None,
+    kv_cache_dtype: str,
+) -> LoadedModel:
+    from moeserve.layers.quant.base import NoQuant
+    from moeserve.loader.gguf_deepseek import deepseek2_hf_config, iter_deepseek2_weights
+    from moeserve.loader.safetensors import resolve_kv_cache_dtype
+    from moeserve.models.registry import model_class
+
+    if quantize not in ("auto", "none"):
+        # the CPU weight-only int4/int8 methods keep no dense weight, which MLA needs
+        raise LoadError(f"quantization {quantize} applies to llama GGUF files; use none or auto")
+    vocab = int(f.arch_meta.get("vocab_size") or len(f.meta["tokenizer.ggml.tokens"]))
+    try:
+        cfg = ModelConfig.from_hf(deepseek2_hf_config(f.arch_meta, f.tensor_names, vocab))
+    except (KeyError, ConfigError) as e:
+        raise LoadError(f"GGUF deepseek2 metadata is incomplete or unsupported: {e}") from None
+    if num_layers is not None:
+        cfg = cfg.with_layers(num_layers)
+    cfg = _with_special_ids(cfg, f.tokenizer)
+    model = model_class(cfg.architecture)(cfg, NoQuant(), tp, dtype)
+    loaded = model.load_weights(iter_deepseek2_weights(f.reader, cfg, dequantize))
+    missing = [
+        n
+        for n, p in model.named_parameters()
+        if n not in loaded and not getattr(p, "optional", False)
+    ]
+    if missing:
+        raise LoadError(f"GGUF file lacks {len(missing)} weights, e.g. {missing[0]!r}")
+    model = model.to(device).eval()
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, None, dtype)
+    what = f"deepseek2 {cfg.num_hidden_layers} layers, weights dequantized to {dtype}"
+    if tp.size > 1:
+        what += f", tensor-parallel rank {tp.rank} of {tp.size}"
+    return LoadedModel(model, f.tokenizer, cfg, kv_dtype, f.describe(what))
 
 
 _Q4 = {"Q4_0", "Q4_1", "Q4_K"}
@@ -148,7 +254,5 @@ def _resolve_quantization(name: str, reader: Any, dtype: torch.dtype, device: st
 
 
 def _with_special_ids(cfg: ModelConfig, tok: Any) -> ModelConfig:
-    from dataclasses import replace
-
     eos = () if tok.eos_token_id is None else (tok.eos_token_id,)
     return replace(cfg, bos_token_id=tok.bos_token_id, eos_token_ids=eos)

@@ -5,8 +5,10 @@ Checkpoint names handled by `load_weights`:
   the `.model.` level (NVIDIA's NVFP4 export drops it);
 - `vision_tower.*` / `mm_projector.*` (Kimi-K2.5) and MTP layers (index >= num_hidden_layers)
   are skipped, each with one log line;
-- per-expert tensors `mlp.experts.{e}.{proj}.{suffix}` and transformers-5 stacked ones
-  (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`);
+- per-expert tensors `mlp.experts.{e}.{proj}.{suffix}` -> the stacked banks
+  `mlp.experts.w13` (gate, up: parts 0, 1) / `mlp.experts.w2` (down) with shard id
+  (e, part), and transformers-5 stacked ones (`mlp.experts.gate_up_proj`,
+  `mlp.experts.down_proj`) with shard id (None, part);
 - FP8-cache scales `self_attn.*.{k,v}_scale` -> the layer's `kv_scale`.
 """
 
@@ -28,7 +30,7 @@ from moeserve.layers.moe import DeepseekMLP, DeepseekMoE
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.quant.base import QuantConfig
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.models.decoder import PreNormDecoderLayer
+from moeserve.models.decoder import PreNormDecoderLayer, reduce_add_norm
 from moeserve.models.weights import finish_loading
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,11 @@ log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 _KV_SCALE = re.compile(r"\.self_attn\..*\b[kv]_scale$")
+# q_a_proj / kv_a_proj_with_mqa -> shards 0 / 1 of self_attn.fused_qkv_a_proj (when merged)
+_QKV_A = re.compile(r"\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.")
+_QKV_A_SHARD = {"q_a_proj": 0, "kv_a_proj_with_mqa": 1}
+# per-expert projection -> (stacked bank, part within it)
+_EXPERT_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
 _SKIPPED_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 
 
@@ -51,6 +58,8 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
     ) -> None:
         super().__init__()
         prefix = f"model.layers.{idx}"
+        self.tp = tp
+        self.partial_outputs = True  # o_proj and the MLP/MoE leave their sums to the norms
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = MLAAttention(cfg, f"{prefix}.self_attn", rotary, quant, tp, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -58,7 +67,13 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
             self.mlp: nn.Module = DeepseekMoE(cfg, f"{prefix}.mlp", quant, tp, dtype)
         else:
             self.mlp = DeepseekMLP(
-                cfg.hidden_size, cfg.intermediate_size, f"{prefix}.mlp", quant, tp, dtype
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                f"{prefix}.mlp",
+                quant,
+                tp,
+                dtype,
+                reduce_output=False,
             )
 
 
@@ -67,6 +82,7 @@ class DeepseekV3Model(nn.Module):
         self, cfg: ModelConfig, quant: QuantConfig | None, tp: TPGroup, dtype: torch.dtype
     ) -> None:
         super().__init__()
+        self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         # one RoPE table for all layers (YaRN tables cover factor * original positions)
         self.rotary = RotaryEmbedding(
@@ -88,7 +104,7 @@ class DeepseekV3Model(nn.Module):
         x, residual = self.embed_tokens(ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)
-        x, _ = self.norm(x, residual)
+        x, _ = reduce_add_norm(self.norm, x, residual, self.tp, partial=True)
         return x
 
 
@@ -156,15 +172,31 @@ class DeepseekV3ForCausalLM(nn.Module):
                 continue
             e = _EXPERT.search(name)
             if e:
-                yield _EXPERT.sub(".mlp.experts.", name), tensor, int(e.group(1))
+                base = _EXPERT.sub(".mlp.experts.", name)
+                proj, suffix = base.rsplit(".mlp.experts.", 1)[1].split(".", 1)
+                bank, part = _EXPERT_PARTS[proj]
+                yield (
+                    f"{name[: e.start()]}.mlp.experts.{bank}.{suffix}",
+                    tensor,
+                    (
+                        int(e.group(1)),
+                        part,
+                    ),
+                )
                 continue
             if name.endswith(".mlp.experts.gate_up_proj"):
                 half = tensor.shape[1] // 2
-                yield name.replace("gate_up_proj", "gate_proj.weight"), tensor[:, :half], None
-                yield name.replace("gate_up_proj", "up_proj.weight"), tensor[:, half:], None
+                w13 = name.replace("gate_up_proj", "w13.weight")
+                yield w13, tensor[:, :half], (None, 0)
+                yield w13, tensor[:, half:], (None, 1)
                 continue
             if name.endswith(".mlp.experts.down_proj"):
-                yield name + ".weight", tensor, None
+                yield name.replace("down_proj", "w2.weight"), tensor, (None, 0)
+                continue
+            a = _QKV_A.search(name)
+            if a and m and self.attention_layers()[int(m.group(1))].fused_qkv_a_proj is not None:
+                fused = name.replace(a.group(0), ".self_attn.fused_qkv_a_proj.")
+                yield fused, tensor, _QKV_A_SHARD[a.group(1)]
                 continue
             yield name, tensor, None
 

@@ -14,6 +14,8 @@ import contextlib
 import hmac
 import json
 import logging
+import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,8 +31,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moeserve.config import ServerConfig
+from moeserve.engine.errors import EngineDead, EngineInputError, RequestFailed
 from moeserve.engine.outputs import RequestOutput, TokenLogprob
-from moeserve.sampling import SamplingError, SamplingParams
+from moeserve.sampling import SEED_MAX, SEED_MIN, SamplingError, SamplingParams
 from moeserve.server import chat as chat_parsers
 from moeserve.server.metrics import HttpMetrics
 from moeserve.server.protocol import (
@@ -91,11 +94,12 @@ class ApiError(Exception):
         err_type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         message = _sentence(message)
         super().__init__(message)
         self.message, self.status, self.err_type = message, status, err_type
-        self.param, self.code = param, code
+        self.param, self.code, self.headers = param, code, headers
 
 
 def error_json(
@@ -104,9 +108,10 @@ def error_json(
     err_type: str = "invalid_request_error",
     param: str | None = None,
     code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def error_sse(message: str, err_type: str, code: int) -> str:
@@ -147,7 +152,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return "The request body must be a JSON object.", None
         # a check across fields; its message starts with the field it blames, if any
         first = msg.split(" ", 1)[0]
-        return _sentence(msg), first if first in REQUEST_FIELDS else None
+        return _sentence(msg), first if first.split(".")[0] in REQUEST_FIELDS else None
     if kind == "missing":
         return f"Missing required parameter '{param}'.", param
     return f"Invalid value for '{param}': {msg[:1].lower() + msg[1:]}.", param
@@ -158,12 +163,60 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 class AuthAndMetricsMiddleware:
     """Pure ASGI middleware (BaseHTTPMiddleware would buffer streams and hide disconnects):
-    checks `Authorization: Bearer KEY` in constant time and counts requests."""
+    checks `Authorization: Bearer KEY` in constant time, bounds the request body before
+    anything parses it, counts requests, and answers an unexpected exception with a 500
+    OpenAI error object itself (Starlette's last-resort handler re-raises it, and the server
+    then drops the keep-alive connection)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: HttpMetrics) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, metrics: HttpMetrics, max_body: int
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.metrics = metrics
+        self.max_body = max_body
+
+    async def _bounded_body(self, scope: Scope, receive: Receive) -> Receive | None:
+        """A `receive` that replays the whole body, or None when it is larger than allowed
+        (Content-Length is trusted only to refuse early; the bytes are counted)."""
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    if int(value) > self.max_body:
+                        return None
+                except ValueError:
+                    pass
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                pending: Message | None = message  # a disconnect: hand it on
+                break
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body:
+                return None
+            chunks.append(body)
+            if not message.get("more_body", False):
+                pending = None
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed, pending
+            if not replayed:
+                replayed = True
+                if pending is not None and not chunks:
+                    msg, pending = pending, None
+                    return msg
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            if pending is not None:
+                msg, pending = pending, None
+                return msg
+            return await receive()
+
+        return replay
 
     def _authorized(self, scope: Scope) -> bool:
         if self.api_key is None or scope["path"] in OPEN_PATHS:
@@ -189,10 +242,18 @@ class AuthAndMetricsMiddleware:
                 status = message["status"]
             await send(message)
 
+        started = ended = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started, ended
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
+            await send_status(message)
+
         try:
-            if self._authorized(scope):
-                await self.app(scope, receive, send_status)
-            else:
+            if not self._authorized(scope):
                 resp = error_json(
                     401,
                     "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
@@ -200,6 +261,28 @@ class AuthAndMetricsMiddleware:
                     code="invalid_api_key",
                 )
                 await resp(scope, receive, send_status)
+                return
+            bounded = await self._bounded_body(scope, receive)
+            if bounded is None:
+                resp = error_json(
+                    413,
+                    f"The request body is larger than this server's limit of {self.max_body} "
+                    "bytes (--max-request-body).",
+                    "invalid_request_error",
+                    code="request_too_large",
+                )
+                await resp(scope, receive, send_status)
+                return
+            await self.app(scope, bounded, send_tracked)
+        except Exception as exc:  # a bug: one 500 for this request, the connection lives on
+            logger.error("internal error", exc_info=exc)
+            if not started:
+                resp = error_json(
+                    500, f"Internal server error ({type(exc).__name__}).", "internal_server_error"
+                )
+                await resp(scope, receive, send_status)
+            elif not ended:  # mid-response: end the body cleanly
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
@@ -224,37 +307,99 @@ class _Done:
     index: int
 
 
+class QueueCounter:
+    """Engine requests admitted by the front end that have not produced their first output
+    (waiting for a batch slot, or in prefill). Updated on the event loop only."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def admit(self, n: int, limit: int) -> None:
+        if self.value + n > limit:
+            raise ApiError(
+                f"The server is busy: {self.value} requests are waiting and this one would add "
+                f"{n} (--max-queue-len {limit}); retry later.",
+                429,
+                "rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        self.value += n
+
+    def release(self, n: int) -> None:
+        self.value = max(0, self.value - n)
+
+
 class GenerationGroup:
     """Runs several engine requests concurrently and yields their outputs as they come.
 
-    Closing the iterator early (client gone, error) cancels the consumers and aborts every
-    request that has not finished, so the engine frees its pages.
+    Closing the iterator early (client gone, error, deadline) cancels the consumers and
+    aborts every request that has not finished, so the engine frees its pages. Each engine
+    request counts as queued (`ServerState.queued`) until its first output or its end.
     """
 
-    def __init__(self, engine: Any, subs: list[SubRequest]) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        subs: list[SubRequest],
+        timeout: float | None = None,
+        queue: QueueCounter | None = None,
+        queue_limit: int | None = None,
+    ) -> None:
         self.engine = engine
         self.subs = subs
+        self.timeout = timeout
+        self.counter = queue or QueueCounter()
+        self.queue_limit = queue_limit
         self.finished: set[str] = set()
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | _Done | BaseException] = (
             asyncio.Queue()
         )
 
     async def _pump(self, sub: SubRequest) -> None:
+        queued = True
         try:
             async for out in self.engine.generate(sub.prompt_ids, sub.params, sub.request_id):
+                if queued:
+                    queued = False
+                    self.counter.release(1)
                 if out.finished:
                     self.finished.add(sub.request_id)
                 self._queue.put_nowait((sub.index, out))
             self._queue.put_nowait(_Done(sub.index))
         except Exception as e:  # handed to the consumer, which re-raises it
             self._queue.put_nowait(e)
+        finally:
+            if queued:
+                self.counter.release(1)
+
+    async def _next(self, deadline: float | None) -> Any:
+        if deadline is None:
+            return await self._queue.get()
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(self._queue.get(), max(left, 0.0))
+        except TimeoutError:
+            raise ApiError(
+                f"The request did not finish within this server's deadline of "
+                f"{self.timeout:g} s (--request-timeout).",
+                408,
+                "timeout_error",
+                code="request_timeout",
+            ) from None
 
     async def stream(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if self.queue_limit is not None:  # no await before the pumps take over the count
+            self.counter.admit(len(self.subs), self.queue_limit)
+        else:
+            self.counter.value += len(self.subs)
         tasks = [asyncio.create_task(self._pump(s)) for s in self.subs]
         running = len(tasks)
+        loop = asyncio.get_running_loop()
+        deadline = None if self.timeout is None else loop.time() + self.timeout
         try:
             while running:
-                item = await self._queue.get()
+                item = await self._next(deadline)
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, _Done):
@@ -317,6 +462,32 @@ class ServerState:
     reasoning_parser: str | None
     tool_parser: str | None
     metrics: HttpMetrics = field(default_factory=HttpMetrics)
+    queue: QueueCounter = field(default_factory=QueueCounter)
+    draining: bool = False  # SIGTERM received: running requests finish, new ones get 503
+
+    def group(self, subs: list[SubRequest]) -> GenerationGroup:
+        """Admit a request's engine requests (caps, queue bound) and group them."""
+        if self.draining:
+            raise ApiError(
+                "The server is shutting down; retry on another instance.",
+                503,
+                "service_unavailable",
+                code="shutting_down",
+            )
+        cap = self.config.max_choices_per_request
+        if len(subs) > cap:
+            raise ApiError(
+                f"This request asks for {len(subs)} completions (prompts x n); this server "
+                f"allows at most {cap} per request (--max-choices-per-request).",
+                param="n",
+            )
+        return GenerationGroup(
+            self.engine, subs, self.config.request_timeout, self.queue, self.config.max_queue_len
+        )
+
+    def eos_ids(self) -> tuple[int, ...]:
+        eos = self.tokenizer.eos_token_id
+        return () if eos is None else (eos,)
 
     @property
     def tokenizer(self) -> Any:
@@ -376,8 +547,12 @@ class ServerState:
             text = _cut_after_final_message(text, dicts[-1].get("content") or "")
         return text
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except (TypeError, ValueError, UnicodeError) as e:  # text the tokenizer cannot take
+            logger.debug("tokenizing failed", exc_info=True)
+            raise ApiError(f"The text in '{param}' could not be tokenized: {e}", param=param) from e
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -475,7 +650,10 @@ def _sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     skip_special_tokens: bool | None = None,
+    vocab_size: int = 0,
+    eos_ids: tuple[int, ...] = (),
 ) -> SamplingParams:
+    """The engine's parameters of one choice, checked against the model's vocabulary."""
     optional = {
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -486,9 +664,10 @@ def _sampling_params(
         "repetition_penalty": req.repetition_penalty,
     }
     try:
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens,
             seed=seed,
+            logit_bias=req.logit_bias_ids,
             stop=tuple(req.stop or ()),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
@@ -501,21 +680,33 @@ def _sampling_params(
             ),
             **{k: v for k, v in optional.items() if v is not None},
         )
+        params.check_vocab(vocab_size, eos_ids)
+        return params
     except SamplingError as e:
-        name = str(e).split(" ", 1)[0]
+        name = str(e).split(" ", 1)[0].rstrip(":")
         raise ApiError(str(e), param=name if name in type(req).model_fields else None) from e
 
 
 def _choice_seed(seed: int | None, i: int) -> int | None:
-    return None if seed is None else seed + i
+    """Choice i's seed: seed + i, wrapped into the generator's range."""
+    if seed is None:
+        return None
+    return (seed + i - SEED_MIN) % (SEED_MAX - SEED_MIN) + SEED_MIN
 
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _engine_error(e: ValueError) -> ApiError:
+def _engine_error(e: EngineInputError) -> ApiError:
     return ApiError(str(e) or "The engine rejected the request.")
+
+
+def _failure_error(e: RequestFailed | EngineDead) -> ApiError:
+    """A 500 for this request alone (or a 503 when the engine itself stopped)."""
+    if isinstance(e, EngineDead):
+        return ApiError(str(e), 503, "service_unavailable", code="engine_dead")
+    return ApiError(str(e), 500, "internal_server_error")
 
 
 # ----------------------------------------------------------------------------- chat
@@ -563,14 +754,19 @@ def _delta_dict(d: chat_parsers.ChatDelta) -> dict[str, Any]:
 
 async def chat_completions(st: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
     st.check_model(req.model)
-    prompt_text = st.render_chat(
-        req.messages,
-        req.tools,
-        req.add_generation_prompt,
-        req.continue_final_message,
-        req.chat_template_kwargs,
-    )
-    prompt_ids = st.encode(prompt_text, add_special_tokens=False)
+
+    def prompt() -> tuple[str, list[int]]:
+        text = st.render_chat(
+            req.messages,
+            req.tools,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+        )
+        return text, st.encode(text, add_special_tokens=False, param="messages")
+
+    # rendering and tokenizing a long prompt takes time: off the event loop
+    prompt_text, prompt_ids = await anyio.to_thread.run_sync(prompt)
     max_tokens = st.output_budget(len(prompt_ids), req.output_limit, "messages")
     parsers_on = bool(
         (st.reasoning_parser and st.reasoning_parser != chat_parsers.NONE_PARSER)
@@ -589,6 +785,8 @@ async def chat_completions(st: ServerState, req: ChatCompletionRequest, raw: Req
                 _choice_seed(req.seed, i),
                 top_n if req.logprobs else None,
                 skip_special_tokens=False if parsers_on else None,
+                vocab_size=st.tokenizer.vocab_size,
+                eos_ids=st.eos_ids(),
             ),
         )
         for i in range(req.n)
@@ -601,7 +799,7 @@ async def chat_completions(st: ServerState, req: ChatCompletionRequest, raw: Req
         )
         for _ in range(req.n)
     ]
-    group = GenerationGroup(st.engine, subs)
+    group = st.group(subs)
     if req.stream:
         return await _stream_response(
             raw, group, lambda first: _chat_sse(st, req, request_id, states, group, first)
@@ -614,8 +812,10 @@ async def chat_completions(st: ServerState, req: ChatCompletionRequest, raw: Req
 
     try:
         await run_unless_disconnected(raw, collect())
-    except ValueError as e:
+    except EngineInputError as e:
         raise _engine_error(e) from e
+    except (RequestFailed, EngineDead) as e:
+        raise _failure_error(e) from e
     choices = []
     for i, s in enumerate(states):
         calls = [
@@ -747,9 +947,12 @@ async def _stream_response(raw: Request, group: GenerationGroup, make_sse: Any) 
         first = await run_unless_disconnected(raw, first_output())
     except StopAsyncIteration:
         first = None
-    except ValueError as e:
+    except EngineInputError as e:
         await gen.aclose()
         raise _engine_error(e) from e
+    except (RequestFailed, EngineDead) as e:
+        await gen.aclose()
+        raise _failure_error(e) from e
     except BaseException:
         await gen.aclose()
         raise
@@ -767,8 +970,17 @@ async def _stream_response(raw: Request, group: GenerationGroup, make_sse: Any) 
         try:
             async for piece in make_sse(outputs()):
                 yield piece
-        except ValueError as e:
+        except ApiError as e:
+            yield error_sse(e.message, e.err_type, e.status)
+            yield SSE_DONE
+        except EngineInputError as e:
             yield error_sse(str(e), "invalid_request_error", 400)
+            yield SSE_DONE
+        except RequestFailed as e:
+            yield error_sse(_sentence(str(e)), "internal_server_error", 500)
+            yield SSE_DONE
+        except EngineDead as e:
+            yield error_sse(_sentence(str(e)), "service_unavailable", 503)
             yield SSE_DONE
         except Exception as e:
             logger.exception("stream failed")
@@ -790,6 +1002,12 @@ class _Prompt:
     text: str
 
 
+def _count_prompts(p: Any) -> int:
+    if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)):
+        return 1
+    return len(p)
+
+
 def _completion_prompts(st: ServerState, req: CompletionRequest) -> list[_Prompt]:
     p = req.prompt
     if isinstance(p, str):
@@ -802,7 +1020,7 @@ def _completion_prompts(st: ServerState, req: CompletionRequest) -> list[_Prompt
     for k, item in enumerate(items):
         param = "prompt" if len(items) == 1 else f"prompt.{k}"
         if isinstance(item, str):
-            ids = st.encode(item, add_special_tokens=req.add_special_tokens)
+            ids = st.encode(item, add_special_tokens=req.add_special_tokens, param=param)
             text = item
         else:
             ids = list(item)
@@ -875,7 +1093,15 @@ class _CompletionRun:
 
 async def completions(st: ServerState, req: CompletionRequest, raw: Request) -> Response:
     st.check_model(req.model)
-    prompts = _completion_prompts(st, req)
+    n_prompts = _count_prompts(req.prompt)
+    cap = st.config.max_choices_per_request
+    if n_prompts * req.n > cap:  # before tokenizing them all
+        raise ApiError(
+            f"This request asks for {n_prompts * req.n} completions (prompts x n); this server "
+            f"allows at most {cap} per request (--max-choices-per-request).",
+            param="prompt" if req.n == 1 else "n",
+        )
+    prompts = await anyio.to_thread.run_sync(_completion_prompts, st, req)
     request_id = _new_id("cmpl")
     subs = []
     for p_idx, prompt in enumerate(prompts):
@@ -888,10 +1114,12 @@ async def completions(st: ServerState, req: CompletionRequest, raw: Request) -> 
                 _choice_seed(req.seed, i),
                 req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+                vocab_size=st.tokenizer.vocab_size,
+                eos_ids=st.eos_ids(),
             )
             subs.append(SubRequest(index, f"{request_id}-{index}", prompt.ids, params))
     run = _CompletionRun(st, req, prompts)
-    group = GenerationGroup(st.engine, subs)
+    group = st.group(subs)
     if req.stream:
         return await _stream_response(
             raw, group, lambda first: _completion_sse(st, req, request_id, run, first)
@@ -904,8 +1132,10 @@ async def completions(st: ServerState, req: CompletionRequest, raw: Request) -> 
 
     try:
         await run_unless_disconnected(raw, collect())
-    except ValueError as e:
+    except EngineInputError as e:
         raise _engine_error(e) from e
+    except (RequestFailed, EngineDead) as e:
+        raise _failure_error(e) from e
     choices = [
         CompletionChoice(
             index=k,
@@ -1037,11 +1267,16 @@ def create_app(
     st = ServerState(engine, server_config, reasoning_parser, tool_parser)
     app = FastAPI(title="moeserve", version=_version())
     app.state.server = st
-    app.add_middleware(AuthAndMetricsMiddleware, api_key=server_config.api_key, metrics=st.metrics)
+    app.add_middleware(
+        AuthAndMetricsMiddleware,
+        api_key=server_config.api_key,
+        metrics=st.metrics,
+        max_body=server_config.max_request_body,
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_json(exc.status, exc.message, exc.err_type, exc.param, exc.code)
+        return error_json(exc.status, exc.message, exc.err_type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -1058,15 +1293,12 @@ def create_app(
             return error_json(405, message, "invalid_request_error")
         return error_json(exc.status_code, str(exc.detail), "invalid_request_error")
 
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.error("internal error", exc_info=exc)
-        return error_json(
-            500, f"Internal server error ({type(exc).__name__}).", "internal_server_error"
-        )
+    # other exceptions: AuthAndMetricsMiddleware answers them (a 500, connection kept)
 
     @app.get("/health")
     async def health() -> Response:
+        if st.draining:
+            return error_json(503, "The server is shutting down.", "service_unavailable")
         if engine.is_healthy():
             return Response(status_code=200)
         return error_json(503, "The engine is not healthy.", "service_unavailable")
@@ -1108,7 +1340,7 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize_endpoint(body: TokenizeRequest) -> dict[str, Any]:
-        return tokenize(st, body)
+        return await anyio.to_thread.run_sync(tokenize, st, body)
 
     @app.post("/detokenize")
     async def detokenize_endpoint(body: DetokenizeRequest) -> dict[str, Any]:
@@ -1121,14 +1353,49 @@ def create_app(
     return app
 
 
+class _Server:
+    """uvicorn with this server's shutdown: the first SIGTERM/SIGINT stops accepting,
+    answers new requests with 503 and lets running ones finish for up to
+    `shutdown_timeout` seconds (then they are cancelled, which aborts them in the engine);
+    a second signal exits at once."""
+
+    def __init__(self, app: FastAPI, config: ServerConfig) -> None:
+        import uvicorn
+
+        state: ServerState = app.state.server
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                if self.should_exit:
+                    print("moeserve: second signal, exiting now", file=sys.stderr, flush=True)
+                    os._exit(128 + sig)
+                state.draining = True
+                logger.info(
+                    "shutting down: running requests get up to %gs to finish",
+                    config.shutdown_timeout,
+                )
+                super().handle_exit(sig, frame)
+
+        self.server = Server(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.port,
+                log_level=config.log_level,
+                timeout_graceful_shutdown=config.shutdown_timeout,
+            )
+        )
+
+    def run(self) -> None:
+        self.server.run()
+
+
 def run_server(
     engine: Any,
     server_config: ServerConfig,
     reasoning_parser: str | None = None,
     tool_parser: str | None = None,
 ) -> None:
-    """Serve until interrupted (binds server_config.host, 127.0.0.1 by default)."""
-    import uvicorn
-
+    """Serve until SIGTERM/SIGINT (binds server_config.host, 127.0.0.1 by default)."""
     app = create_app(engine, server_config, reasoning_parser, tool_parser)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level="info")
+    _Server(app, server_config).run()

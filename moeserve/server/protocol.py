@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from moeserve.sampling import MAX_LOGIT_BIAS, SEED_MAX, SEED_MIN
+
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_LOGPROBS = 20  # SamplingParams.MAX_LOGPROBS; kept equal by a test
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -22,6 +24,46 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def find_bad_unicode(value: Any, path: str = "") -> str | None:
+    """Path (`messages.0.content`) of the first string, or dict key, holding a lone surrogate
+    (JSON allows `"\\ud800"`; no tokenizer can encode it), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            sub = f"{path}.{k}" if path else str(k)
+            if isinstance(k, str) and find_bad_unicode(k) is not None:
+                return sub
+            hit = find_bad_unicode(v, sub)
+            if hit is not None:
+                return hit
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            hit = find_bad_unicode(v, f"{path}.{i}" if path else str(i))
+            if hit is not None:
+                return hit
+    return None
+
+
+class RequestModel(OpenAIModel):
+    """A top-level request body: text that cannot be encoded is rejected, naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = find_bad_unicode(data)
+        if where is not None:
+            raise ValueError(
+                f"{where} holds text that is not valid Unicode (an unpaired surrogate such as "
+                "\\ud800)"
+            )
+        return data
 
 
 # ----------------------------------------------------------------------------- errors
@@ -117,7 +159,7 @@ class ChatMessage(OpenAIModel):
         return d
 
 
-class _SamplingFields(OpenAIModel):
+class _SamplingFields(RequestModel):
     """Fields shared by chat and legacy completions."""
 
     model: str | None = None
@@ -128,7 +170,7 @@ class _SamplingFields(OpenAIModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, lt=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
@@ -151,13 +193,25 @@ class _SamplingFields(OpenAIModel):
             raise ValueError("stop strings must be non-empty")
         return items
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+        return v
+
     @model_validator(mode="after")
     def _common_checks(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
         return self
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -239,7 +293,7 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -257,7 +311,7 @@ class TokenizeRequest(OpenAIModel):
         return self
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -104,6 +104,7 @@ class KimiTokenizer:
         self.all_special_ids = set(specials.values())
         self._id_to_special = {i: t for t, i in specials.items()}
         self.vocab_size = max(len(ranks), max(specials.values(), default=0) + 1)
+        self._num_ranks = len(ranks)
         self.bos_token = _token_str(cfg.get("bos_token")) or "[BOS]"
         self.eos_token = _token_str(cfg.get("eos_token")) or "<|im_end|>"
         self.pad_token = _token_str(cfg.get("pad_token"))
@@ -118,16 +119,24 @@ class KimiTokenizer:
         return self._enc.encode(text, allowed_special="all", disallowed_special=())
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        # ids past the vocabulary (a model whose embedding is padded beyond the tokenizer)
+        # decode to nothing, as HF tokenizers do, rather than failing the request
+        ids = [i for i in ids if self._known(i)]
         if skip_special_tokens:
             ids = [i for i in ids if i not in self.all_special_ids]
-        return self._enc.decode(list(ids), errors="replace")
+        return self._enc.decode(ids, errors="replace")
+
+    def _known(self, token_id: int) -> bool:
+        return 0 <= token_id < self._num_ranks or token_id in self._id_to_special
 
     def id_to_token(self, token_id: int) -> str:
         if token_id in self._id_to_special:
             return self._id_to_special[token_id]
-        return self._enc.decode_single_token_bytes(token_id).decode("utf-8", errors="replace")
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
+        if not self._known(token_id):
+            return b""  # an id of the model's padded vocabulary: no text
         return self._enc.decode_single_token_bytes(token_id)
 
     # ---- chat ----------------------------------------------------------------------------

@@ -132,3 +132,42 @@ def test_shape_checks(weights):
         moe.fused_moe_nvfp4(x, ids, tw[:, :1], w13, s13, g13, w2, s2, g2)
     with pytest.raises(ValueError):
         moe.fused_moe_nvfp4(x, ids, tw, w13, s13, g13[:2], w2, s2, g2)
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "mma"])
+def test_other_ranks_experts_are_skipped_and_shared_output_accumulates(weights, kernel):
+    """Expert parallelism: ids outside [0, E) are another rank's experts and add nothing
+    (the oracle: the reference on the same slots with those slots' weights zeroed); the
+    combine adds the given output (the shared expert's) instead of overwriting it."""
+    e, h, i, (w13, s13, g13), (w2, s2, g2) = weights
+    m, k = 6, 3
+    ids, tw = _route(m, e, k, 7)
+    foreign = torch.rand(m, k, generator=torch.Generator().manual_seed(3)) < 0.4
+    ids_ep = torch.where(foreign, ids + e * torch.where(ids % 2 == 0, 1, -1), ids)
+    x = torch.randn(m, h).to(torch.bfloat16)
+    shared = torch.randn(m, h).to(torch.bfloat16)
+    tw_local = torch.where(foreign, torch.zeros_like(tw), tw)
+    ref = moe.fused_moe_nvfp4_ref(x, ids, tw_local, w13, s13, g13, w2, s2, g2).float()
+    ref = ref + shared.float()
+    cfgs = (_gemv(2), None) if kernel == "gemv" else (GU, DN)
+    out = shared.clone()
+    y = moe.fused_moe_nvfp4(
+        x,
+        ids_ep,
+        tw,
+        w13,
+        s13,
+        g13,
+        w2,
+        s2,
+        g2,
+        out=out,
+        accumulate=True,
+        gate_up_config=cfgs[0],
+        down_config=cfgs[1],
+        kernel=kernel,
+    )
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    # and the reference itself skips foreign ids
+    ref_ep = moe.fused_moe_nvfp4_ref(x, ids_ep, tw, w13, s13, g13, w2, s2, g2).float()
+    torch.testing.assert_close(ref_ep + shared.float(), ref, rtol=1e-2, atol=1e-2)

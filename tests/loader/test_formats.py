@@ -31,7 +31,16 @@ def model_weight(model, name: str) -> torch.Tensor:
     parts = name.split(".")
     if ".mlp.experts." in name:  # model.layers.i.mlp.experts.e.proj.weight
         moe = model.model.layers[int(parts[2])].mlp
-        return getattr(moe.experts, parts[6]).dense(int(parts[5]), torch.float32)
+        bank, part = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}[
+            parts[6]
+        ]
+        b = getattr(moe.experts, bank)
+        return b.scheme.dequantize(b.part_tensors(int(parts[5]), part), torch.float32)
+    if parts[-2] in ("q_a_proj", "kv_a_proj_with_mqa"):  # merged at load: rows [q_a; kv_a]
+        attn = model.model.layers[int(parts[2])].self_attn
+        if attn.fused_qkv_a_proj is not None:
+            w = dense_weight(attn.fused_qkv_a_proj, torch.float32)
+            return w[: attn.q_lora] if parts[-2] == "q_a_proj" else w[attn.q_lora :]
     mod = model
     for p in parts[:-1]:
         mod = mod[int(p)] if p.isdigit() else getattr(mod, p)
@@ -64,7 +73,7 @@ def test_format_loads_with_exact_dequantized_weights(root, like, fmt):
                 assert full not in wc.quantized, full
         if isinstance(layer.mlp, DeepseekMoE):
             quantized = f"model.layers.{layer_idx}.mlp.experts.0.gate_proj" in wc.quantized
-            assert (layer.mlp.experts.gate_proj.scheme.name != "bf16") == quantized
+            assert (layer.mlp.experts.w13.scheme.name != "bf16") == quantized
 
 
 def _bf16_reference(lm, ground_truth):
@@ -107,8 +116,8 @@ def test_exclude_modules_stay_bf16(root):
     moe = m.model.layers[1].mlp
     assert isinstance(moe.shared_experts.down_proj.method, UnquantizedLinearMethod)
     assert isinstance(m.model.layers[1].self_attn.kv_b_proj.method, UnquantizedLinearMethod)
-    assert moe.experts.down_proj.weight.dtype == torch.uint8
-    assert moe.experts.down_proj.weight_scale.dtype == torch.float8_e4m3fn
+    assert moe.experts.w2.weight.dtype == torch.uint8
+    assert moe.experts.w2.weight_scale.dtype == torch.float8_e4m3fn
 
 
 def test_weight_only_and_fp8_kv_cache(root):
@@ -120,7 +129,7 @@ def test_weight_only_and_fp8_kv_cache(root):
     attn = lm.model.attention_layers()
     assert float(attn[0].kv_scale) == pytest.approx(0.01)  # max(k_scale, v_scale)
     assert float(attn[1].kv_scale) == pytest.approx(0.02)
-    assert not hasattr(lm.model.model.layers[1].mlp.experts.gate_proj, "input_scale")
+    assert not hasattr(lm.model.model.layers[1].mlp.experts.w13, "input_scale")
     assert (
         load_safetensors_model(wc.path, torch.float32, kv_cache_dtype="bf16").kv_cache_dtype
         == torch.bfloat16
@@ -138,7 +147,7 @@ def test_single_file_dummy_and_cut_layers(root):
     nv = write_checkpoint(str(root / "dummy-src"), "kimi-k2.5", "nvfp4-modelopt")
     os.remove(os.path.join(nv.path, "model-00001-of-00003.safetensors"))  # dummy needs no weights
     dummy = load_safetensors_model(nv.path, torch.float32, load_format="dummy")
-    assert dummy.model.model.layers[1].mlp.experts.gate_proj.weight.dtype == torch.uint8
+    assert dummy.model.model.layers[1].mlp.experts.w13.weight.dtype == torch.uint8
     runner = PagedRunner(dummy.model)
     logits = runner.step({runner.add_sequence(): [1, 2, 3]})
     assert torch.isfinite(logits).all()

@@ -62,7 +62,16 @@ def _dequantized_state(folder: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("modelopt"))
-    cfgd = tiny_hf_config(rope_scaling=YARN, max_position_embeddings=64 * 40)
+    from transformers import DeepseekV3Config
+
+    # only DeepseekV3Config's own fields: the config.json is then exactly what transformers 5
+    # writes (no topk_method, scoring_func or moe_layer_freq; noaux_tc + sigmoid implied)
+    own = set(DeepseekV3Config().to_dict())
+    cfgd = {
+        k: v
+        for k, v in tiny_hf_config(rope_scaling=YARN, max_position_embeddings=64 * 40).items()
+        if k in own
+    }
     hf = build_hf_model(cfgd, seed=2).to(torch.bfloat16)
     hf.config.architectures = ["DeepseekV3ForCausalLM"]
     gen = torch.Generator().manual_seed(0)
@@ -84,6 +93,11 @@ def exported(tmp_path_factory):
 
 def test_modelopt_export_layout(exported):
     folder, _ = exported
+    with open(os.path.join(folder, "config.json")) as f:
+        written = json.load(f)
+    # what transformers 5 writes for a DeepseekV3 model: routing fields left to its defaults
+    assert written["model_type"] == "deepseek_v3"
+    assert not {"topk_method", "scoring_func", "moe_layer_freq"} & set(written)
     with open(os.path.join(folder, "hf_quant_config.json")) as f:
         q = json.load(f)["quantization"]
     assert q["quant_algo"] == "NVFP4"
@@ -95,7 +109,7 @@ def test_modelopt_export_generates_like_hf(exported):
     folder, cfgd = exported
     lm = load_safetensors_model(folder, torch.float32)
     layer1 = lm.model.model.layers[1]
-    assert layer1.mlp.experts.gate_proj.weight.dtype == torch.uint8  # stays NVFP4 in memory
+    assert layer1.mlp.experts.w13.weight.dtype == torch.uint8  # stays NVFP4 in memory
     assert layer1.self_attn.kv_b_proj.weight.dtype == torch.uint8  # attention quantized too
     assert (
         isinstance(lm.model.lm_head, torch.nn.Module)

@@ -37,7 +37,10 @@ def _worker(rank: int, world: int, store: str, path: str, out: str) -> None:
     os._exit(0)
 
 
-@pytest.mark.parametrize("like,fmt", [("kimi-k2.5", "nvfp4-modelopt"), ("deepseek-v3", "nvfp4-ct")])
+@pytest.mark.parametrize(
+    "like,fmt",
+    [("kimi-k2.5", "nvfp4-modelopt"), ("deepseek-v3", "nvfp4-ct"), ("moonlight", "bf16")],
+)
 def test_tp2_matches_single_process(tmp_path, like, fmt):
     from tests.models.helpers import PagedRunner
 

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from moeserve.config import ServerConfig
+from moeserve.engine.errors import EngineInputError
 from moeserve.engine.outputs import RequestOutput, TokenLogprob
 from moeserve.sampling import SamplingParams
 from moeserve.server.api import create_app
@@ -45,8 +46,6 @@ TEMPLATE = (
 )
 
 
-class EngineInputError(ValueError):
-    pass
 
 
 class FakeTokenizer:

@@ -11,17 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from moeserve.cli import _build_parser, _engine_kwargs
-from moeserve.config import EngineConfig, ModelConfig, SchedulerConfig
-from moeserve.engine.cuda_graphs import (
-    PAD_SEQ_LEN,
-    PAD_SLOT,
-    DecodeGraphs,
-    capture_sizes,
-    graph_blockers,
-    pad_rows,
-    padded_size,
-)
+from moeserve.cli import _build_parser, engine_config
+from moeserve.config import EngineConfig, ModelConfig
+from moeserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_blockers, padded_size
 from moeserve.layers.attention.mha import PagedAttention
 from moeserve.layers.attention.mla import MLADecodeScratch
 from moeserve.layers.quant.scheme import shared_splitk_workspace, splitk_fits
@@ -51,14 +43,6 @@ def test_padded_size_is_the_smallest_captured_fit(max_batch):
     assert padded_size(max_batch + 1, sizes) is None
 
 
-def test_pad_rows_write_and_read_nothing():
-    rows, lens = pad_rows([7, 8, 9], [4, 20, 3], [65, 321, 50], [5, 21, 4], 4)
-    assert rows == [[7, 8, 9, 0], [4, 20, 3, 0], [65, 321, 50, PAD_SLOT]]
-    assert lens == [5, 21, 4, PAD_SEQ_LEN] and PAD_SLOT < 0 and PAD_SEQ_LEN == 0
-    with pytest.raises(ValueError):
-        pad_rows([1, 2], [0, 0], [0, 1], [1, 1], 1)
-
-
 # ---- which models are captured --------------------------------------------------------------
 class _Capturable(nn.Module):
     supports_cuda_graph = True
@@ -76,69 +60,63 @@ def test_graph_blockers():
 
 
 def test_graph_max_batch():
-    mc = ModelConfig.from_hf(tiny_hf_config())
-    sched = SchedulerConfig(max_num_seqs=48)
-    gpu = EngineConfig("m", mc, scheduler=sched, device="cuda")
-    assert gpu.graph_max_batch == 48  # capped by max_num_seqs
-    assert EngineConfig("m", mc, device="cuda:1").graph_max_batch == 64
-    small = EngineConfig("m", mc, scheduler=sched, device="cuda", cuda_graph_max_bs=16)
-    assert small.graph_max_batch == 16
-    assert EngineConfig("m", mc, device="cuda", enforce_eager=True).graph_max_batch == 0
-    assert EngineConfig("m", mc, device="cpu").graph_max_batch == 0
+    cfg = EngineConfig.from_settings("m", max_num_seqs=48)
+    assert cfg.graph_max_batch("cuda") == 48  # capped by max_num_seqs
+    assert EngineConfig.from_settings("m").graph_max_batch("cuda:1") == 64
+    small = EngineConfig.from_settings("m", max_num_seqs=48, cuda_graph_max_bs=16)
+    assert small.graph_max_batch("cuda") == 16
+    assert EngineConfig.from_settings("m", enforce_eager=True).graph_max_batch("cuda") == 0
+    assert EngineConfig.from_settings("m").graph_max_batch("cpu") == 0
 
 
 def test_cli_flags():
     args = _build_parser().parse_args(["serve", "--enforce-eager", "--cuda-graph-max-bs", "16"])
-    kw = _engine_kwargs(args)
-    assert kw["enforce_eager"] is True and kw["cuda_graph_max_bs"] == 16
-    kw = _engine_kwargs(_build_parser().parse_args(["serve"]))
-    assert kw["enforce_eager"] is False and kw["cuda_graph_max_bs"] == 256
+    cfg = engine_config(args)
+    assert cfg.enforce_eager is True and cfg.cuda_graph_max_bs == 16
+    cfg = engine_config(_build_parser().parse_args(["serve"]))
+    assert cfg.enforce_eager is False and cfg.cuda_graph_max_bs == 256
     with pytest.raises(SystemExit) as e:
         _build_parser().parse_args(["serve", "--cuda-graph-max-bs", "0"])
     assert e.value.code == 2
 
 
 # ---- replay plumbing --------------------------------------------------------------------------
-class _Echo(nn.Module):
-    """A 'model' whose hidden row b is what sequence b's decode reads from the batch."""
+PAD_ROW = 99
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        md = ctx.attn
-        cols = [ids, positions, md.slot_mapping, md.seq_lens, md.block_tables[:, 0]]
-        return torch.stack([c.long() for c in cols], dim=1)
+
+def _echo(ids, positions, rows, seq_lens) -> torch.Tensor:
+    """A 'forward' whose hidden row b is what column b of the static inputs holds."""
+    return torch.stack([ids, positions, rows, seq_lens], dim=1)
 
 
 class _StandInGraph:
     """Replays by running the forward again on the same static buffers (what a graph does)."""
 
-    def __init__(self, model: nn.Module, graphs: DecodeGraphs, size: int) -> None:
-        self.model, self.ctx, self.size = model, graphs.context(size), size
-        self.inputs, self.out = graphs.inputs, graphs.outputs[size]
+    def __init__(self, graphs: DecodeGraphs, size: int) -> None:
+        self.graphs, self.size = graphs, size
 
     def replay(self) -> None:
-        ids, pos = self.inputs[0, : self.size], self.inputs[1, : self.size]
-        self.out.copy_(self.model(ids, pos, self.ctx))
+        self.graphs.outputs[self.size].copy_(self.graphs._run_forward(self.size))
 
 
-def test_replay_pads_to_the_next_size_and_resets_padding_rows():
-    model = _Echo()
-    g = DecodeGraphs(model, torch.device("cpu"), max_batch=8, max_pages=4, page_size=16)
+def test_replay_pads_to_the_next_size_and_resets_padding_columns():
+    g = DecodeGraphs(_echo, nn.Module(), torch.device("cpu"), 8, PAD_ROW, 64)
     g.allocate_inputs()
     for size in g.sizes:
-        g.outputs[size] = torch.zeros(size, 5, dtype=torch.long)
-        g.graphs[size] = _StandInGraph(model, g, size)  # type: ignore[assignment]
-    assert g.can_run(8, 4) and not g.can_run(9, 1) and not g.can_run(2, 5)
+        g.outputs[size] = torch.zeros(size, 4, dtype=torch.long)
+        g.graphs[size] = _StandInGraph(g, size)  # type: ignore[assignment]
+    assert g.can_run(8) and not g.can_run(9)
 
-    five = g.run([1, 2, 3, 4, 5], [9] * 5, [16, 33, 50, 67, 84], [10] * 5, [[1, 2]] * 5)
-    assert five.shape == (5, 5) and five[:, 0].tolist() == [1, 2, 3, 4, 5]
-    assert five[:, 4].tolist() == [1] * 5
+    five = torch.tensor([[1, 2, 3, 4, 5], [9] * 5, [0, 1, 2, 3, 4], [10] * 5])
+    out = g.run(five)
+    assert out.tolist() == five.t().tolist()
     pad = g.outputs[8][5:]
-    assert pad[:, 2].tolist() == [PAD_SLOT] * 3 and pad[:, 3].tolist() == [PAD_SEQ_LEN] * 3
+    assert pad.tolist() == [[0, 0, PAD_ROW, 0]] * 3  # id 0, position 0, padding row, no cache
 
-    # three sequences reuse rows that held real sequences: padded again, none left stale
-    three = g.run([7, 8, 9], [4, 20, 3], [65, 321, 50], [5, 21, 4], [[4], [20], [3]])
-    assert three.tolist() == [[7, 4, 65, 5, 4], [8, 20, 321, 21, 20], [9, 3, 50, 4, 3]]
-    assert g.outputs[4][3].tolist()[2:4] == [PAD_SLOT, PAD_SEQ_LEN]
+    # three sequences reuse columns that held real sequences: padded again, none left stale
+    three = torch.tensor([[7, 8, 9], [4, 20, 3], [5, 6, 7], [5, 21, 4]])
+    assert g.run(three).tolist() == three.t().tolist()
+    assert g.outputs[4][3].tolist() == [0, 0, PAD_ROW, 0]
     assert g.replays == Counter({8: 1, 4: 1})
 
 
@@ -149,18 +127,6 @@ class _Prepared(nn.Module):
 
     def prepare_cuda_graph(self, max_tokens: int, max_context: int, shared: dict) -> None:
         self.prepared.append((max_tokens, max_context, shared))
-
-
-class _Recorder(_Echo):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inner = _Prepared()
-        self.calls: list[int] = []
-
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        self.calls.append(ids.shape[0])
-        assert ctx.attn.is_decode_only and ctx.attn.slot_mapping.tolist() == [PAD_SLOT] * len(ids)
-        return super().forward(ids, positions, ctx)
 
 
 def test_capture_prepares_once_then_warms_up_and_captures_largest_first(monkeypatch):
@@ -191,13 +157,21 @@ def test_capture_prepares_once_then_warms_up_and_captures_largest_first(monkeypa
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    model = _Recorder()
-    g = DecodeGraphs(model, torch.device("cpu"), max_batch=8, max_pages=4, page_size=16)
+    model = nn.Sequential(_Prepared())
+    calls: list[tuple[int, list[int]]] = []
+
+    def forward(ids, positions, rows, seq_lens):
+        calls.append((ids.shape[0], rows.tolist()))
+        assert not seq_lens.any()  # capture runs on padding columns: no cache read or write
+        return _echo(ids, positions, rows, seq_lens)
+
+    g = DecodeGraphs(forward, model, torch.device("cpu"), 8, PAD_ROW, 64)
     g.capture()
-    assert [p[:2] for p in model.inner.prepared] == [(8, 64)]
-    assert model.calls == [8, 8, 4, 4, 2, 2, 1, 1]  # warm-up, then capture, per size
+    assert [p[:2] for p in model[0].prepared] == [(8, 64)]
+    assert [c[0] for c in calls] == [8, 8, 4, 4, 2, 2, 1, 1]  # warm-up, then capture, per size
+    assert all(set(rows) == {PAD_ROW} for _, rows in calls)
     assert captured == [pool] * 4  # one shared pool
-    assert sorted(g.graphs) == [1, 2, 4, 8] and g.outputs[4].shape == (4, 5)
+    assert sorted(g.graphs) == [1, 2, 4, 8] and g.outputs[4].shape == (4, 4)
     assert g.status().startswith("CUDA graphs on: 4 decode batch sizes (1-8)")
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.attention.metadata import ForwardContext
+from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 
 
 class PagedAttention(nn.Module):
@@ -25,6 +25,9 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # batch-invariant decode: each sequence attends over exactly its own keys, the same
+        # computation alone or in any batch (a padded batched SDPA rounds differently)
+        self.batch_invariant = False
 
     # ---- cache contract used by the runner ------------------------------------------------
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -41,29 +44,28 @@ class PagedAttention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] (new tokens) -> [T, H, D]."""
+        """q [T, H, D], k/v [T, KVH, D] (new tokens) -> [T, H, D]. Sequences with one new
+        token at the front of the batch decode together; each other sequence prefills."""
         md = ctx.attn
         kf = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         vf = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         kf.index_copy_(0, md.slot_mapping, k if k.dtype == kf.dtype else k.to(kf.dtype))
         vf.index_copy_(0, md.slot_mapping, v if v.dtype == vf.dtype else v.to(vf.dtype))
-        # attention runs in the cache dtype (fp32 on CPUs: torch's CPU SDPA is faster there)
-        act, q = q.dtype, q.to(kf.dtype)
-        if md.is_decode_only:
-            return self._decode(q, md).to(act)
+        nd = md.num_decode_seqs
+        if nd == md.num_seqs:
+            # decode attention runs in the cache dtype (fp32 on CPUs: torch's CPU SDPA is
+            # faster there for one query row)
+            return self._decode(q.to(kf.dtype), md, nd).to(q.dtype)
         out = torch.empty_like(q)
-        start = 0
-        for b, (qlen, slen) in enumerate(zip(md.query_lens_host, md.seq_lens_host, strict=True)):
-            keys, vals = self._gather(md.block_tables[b], slen, md.page_size)
-            qb = q[start : start + qlen].transpose(0, 1)  # [H, q, D]
-            # causal with an offset: query i (absolute position slen-qlen+i) sees keys <= it
-            mask = torch.ones(qlen, slen, dtype=torch.bool, device=q.device).tril(slen - qlen)
-            o = F.scaled_dot_product_attention(
-                qb, keys, vals, attn_mask=mask, scale=self.scale, enable_gqa=True
-            )
-            out[start : start + qlen] = o.transpose(0, 1)
+        if nd:
+            out[:nd] = self._decode(q[:nd].to(kf.dtype), md, nd).to(q.dtype)
+        start = nd
+        for b in range(nd, md.num_seqs):
+            qlen, slen = md.query_lens_host[b], md.seq_lens_host[b]
+            rows = slice(start, start + qlen)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], slen - qlen, md, b)
             start += qlen
-        return out.to(act)
+        return out
 
     def _gather(
         self, table: torch.Tensor, n: int, page_size: int
@@ -73,19 +75,69 @@ class PagedAttention(nn.Module):
         v = self.v_cache.index_select(0, pages).flatten(0, 1)[:n]
         return k.transpose(0, 1), v.transpose(0, 1)
 
-    def _decode(self, q: torch.Tensor, md) -> torch.Tensor:
-        """One new token per sequence: gather each sequence's keys, pad, one batched SDPA."""
-        L, ps = md.max_seq_len, md.page_size
-        if md.num_seqs == 1:  # nothing to pad: no mask
-            k, v = self._gather(md.block_tables[0], L, ps)
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        context: int,
+        md: AttentionMetadata,
+        b: int,
+    ) -> torch.Tensor:
+        """One sequence's chunk of `T` new tokens after `context` cached ones, in the
+        activation dtype. On a CPU through the flash kernel: causal over the new tokens, and
+        (when there is context) a second pass over the cached keys, merged by log-sum-exp,
+        so time stays linear in the chunk and nothing of size T x (context + T) is built."""
+        qh = q.transpose(0, 1)[None]  # [1, H, T, D]
+        kn, vn = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, KVH, T, D]
+        if q.device.type != "cpu":  # the portable path: one masked SDPA over everything
+            kc, vc = self._gather(md.block_tables[b], context + q.shape[0], md.page_size)
+            t, n = q.shape[0], context + q.shape[0]
+            mask = torch.ones(t, n, dtype=torch.bool, device=q.device).tril(context)
             o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), k[None], v[None], scale=self.scale, enable_gqa=True
+                qh,
+                kc[None].to(q.dtype),
+                vc[None].to(q.dtype),
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=True,
             )
-            return o.squeeze(2)
-        pages = md.block_tables[:, : -(-L // ps)]
+            return o[0].transpose(0, 1)
+        groups = self.num_heads // self.num_kv_heads
+        o, lse = _flash_cpu(
+            qh, _repeat(kn, groups), _repeat(vn, groups), is_causal=True, scale=self.scale
+        )
+        if context:
+            kc, vc = self._gather(md.block_tables[b], context, md.page_size)
+            o2, lse2 = _flash_cpu(
+                qh,
+                _repeat(kc[None].to(q.dtype), groups),
+                _repeat(vc[None].to(q.dtype), groups),
+                is_causal=False,
+                scale=self.scale,
+            )
+            o = _merge(o, lse, o2, lse2).to(q.dtype)
+        return o[0].transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, md: AttentionMetadata, n: int) -> torch.Tensor:
+        """One new token for each of the first n sequences: gather each one's keys, pad, one
+        batched SDPA."""
+        ps = md.page_size
+        lens = md.seq_lens_host[:n]
+        L = max(lens)
+        if n == 1 or self.batch_invariant:  # exact lengths, no padding, no mask
+            outs = []
+            for b in range(n):
+                k, v = self._gather(md.block_tables[b], lens[b], ps)
+                o = F.scaled_dot_product_attention(
+                    q[b : b + 1, :, None], k[None], v[None], scale=self.scale, enable_gqa=True
+                )
+                outs.append(o[:, :, 0])
+            return outs[0] if n == 1 else torch.cat(outs)
+        pages = md.block_tables[:n, : -(-L // ps)]
         k = self.k_cache[pages].flatten(1, 2)[:, :L].transpose(1, 2)  # [B, KVH, L, D]
         v = self.v_cache[pages].flatten(1, 2)[:, :L].transpose(1, 2)
-        valid = torch.arange(L, device=q.device)[None, :] < md.seq_lens[:, None]
+        valid = torch.arange(L, device=q.device)[None, :] < md.seq_lens[:n, None]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             k,
@@ -95,3 +147,29 @@ class PagedAttention(nn.Module):
             enable_gqa=True,
         )
         return o.squeeze(2)
+
+
+def _repeat(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """KV heads repeated for their query heads ([1, KVH, L, D] -> [1, H, L, D])."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _flash_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash attention: output [1, H, T, D] and log-sum-exp [1, H, T] (fp32)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, scale=scale
+    )
+    return out, lse
+
+
+def _merge(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
+    """Attention over two disjoint key sets combined exactly from their outputs and
+    log-sum-exps (fp32)."""
+    m = torch.maximum(lse1, lse2)
+    w1 = (lse1 - m).exp().unsqueeze(-1)
+    w2 = (lse2 - m).exp().unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)

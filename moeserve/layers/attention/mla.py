@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (DeepSeek-V2/V3, Kimi) over a paged latent cache; torch (CPU) path.
+"""Multi-head Latent Attention (DeepSeek-V2/V3, Kimi) over a paged latent cache.
 
 Cache contract: `kv_cache` [num_pages, page_size, kv_lora_rank + qk_rope_head_dim]; row =
 [normalised latent c | roped k_pe]; token t of a sequence at page block_table[t // page_size],
@@ -11,10 +11,23 @@ Two mathematically equal forms:
   576-wide cached rows directly; out = (p @ c) @ W_UV^T. One KV head for all query heads.
 RoPE is DeepSeek's interleaved pairing on the rope dims (HF de-interleaves q and k the same
 way; dot products are identical).
+
+q_a_proj and kv_a_proj_with_mqa read the same input: when their checkpoint formats allow it
+they are one GEMM (`fused_qkv_a_proj`, shard 0 = q_a, 1 = kv_a; checkpoint names unchanged).
+
+Two execution paths:
+- kernels (CUDA, published 512 + 64 layout; `_forward_kernels`): fused a-GEMM -> both
+  a-norms in one launch (in place) -> q_b_proj -> W_UK batched GEMM into the absorbed query
+  [T, H, 576] -> one launch that ropes q_pe (into that query) and k_pe and writes the cache ->
+  the leading single-token sequences through the split-KV decode kernel, the rest (prefill
+  chunks over their cached context) through the prefill kernel -> W_UV batched GEMM. Strided
+  views instead of copies throughout; no host syncs (CUDA-graph capturable).
+- torch (CPU, other shapes): expanded form per sequence for prefill, absorbed for decode.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,14 +38,21 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
-from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from moeserve.layers.norm import RMSNorm
-from moeserve.layers.quant.base import QuantConfig, make_param
+from moeserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedReplicatedLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from moeserve.layers.norm import RMSNorm, use_norm_kernels
+from moeserve.layers.quant.base import NoQuant, QuantConfig, make_param, materialize
 from moeserve.layers.quant.scheme import dense_weight, gpu_kernels_enabled
 from moeserve.layers.rotary import RotaryEmbedding, yarn_mscale
 
 if TYPE_CHECKING:
     from moeserve.kernels.mla_decode import MLADecodeWorkspace
+
+log = logging.getLogger(__name__)
 
 FP8_E4M3_MAX = 448.0
 
@@ -44,6 +64,25 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     if rs is not None and rs.type == "yarn" and rs.mscale_all_dim:
         scale *= yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
     return scale
+
+
+def mergeable(
+    quant: QuantConfig | None, prefixes: list[str], sizes: list[int], input_size: int
+) -> bool:
+    """Whether linear layers over one input can run as one GEMM: the same quant method and
+    scheme, and for block-quantized formats shard boundaries on block rows (block-FP8: q_lora
+    1536 is 12 blocks of 128)."""
+    methods = [(quant or NoQuant()).linear_method(p) for p in prefixes]
+    if any(type(m) is not type(methods[0]) for m in methods):
+        return False
+    scheme = getattr(methods[0], "scheme", None)
+    if scheme is None:  # dense, or the CPU's row-wise weight-only formats
+        return True
+    if any(type(m.scheme) is not type(scheme) or vars(m.scheme) != vars(scheme) for m in methods):
+        return False
+    specs = scheme.specs(sum(sizes), input_size, torch.float32)
+    blocks = [s.out_block for s in specs if s.out_dim is not None]
+    return all(n % b == 0 for n in sizes[:-1] for b in blocks)
 
 
 @dataclass
@@ -121,31 +160,44 @@ class MLAAttention(nn.Module):
         self.rotary = [rotary]  # shared by all layers; a list keeps it out of state_dict
         heads, h = cfg.num_attention_heads, cfg.hidden_size
         kw = dict(quant=quant, tp=tp, dtype=dtype)
-        if self.q_lora:
-            self.q_a_proj = ReplicatedLinear(
-                h, self.q_lora, bias=cfg.attention_bias, prefix=f"{prefix}.q_a_proj", **kw
+        bias = cfg.attention_bias
+        a_sizes = [self.q_lora, self.kv_lora + self.rope]
+        a_prefixes = [f"{prefix}.q_a_proj", f"{prefix}.kv_a_proj_with_mqa"]
+        self.fused_qkv_a_proj: MergedReplicatedLinear | None = None
+        if self.q_lora and mergeable(quant, a_prefixes, a_sizes, h):
+            # method chosen by q_a's name (mergeable checked that kv_a's is the same)
+            self.fused_qkv_a_proj = MergedReplicatedLinear(
+                h, a_sizes, bias=bias, prefix=a_prefixes[0], **kw
             )
+        else:
+            if self.q_lora:
+                self.q_a_proj = ReplicatedLinear(
+                    h, self.q_lora, bias=bias, prefix=a_prefixes[0], **kw
+                )
+            else:
+                self.q_proj = ColumnParallelLinear(
+                    h, heads * cfg.qk_head_dim, prefix=f"{prefix}.q_proj", **kw
+                )
+            self.kv_a_proj_with_mqa = ReplicatedLinear(
+                h, a_sizes[1], bias=bias, prefix=a_prefixes[1], **kw
+            )
+        if self.q_lora:
             self.q_a_layernorm = RMSNorm(self.q_lora, cfg.rms_norm_eps, dtype)
             self.q_b_proj = ColumnParallelLinear(
                 self.q_lora, heads * cfg.qk_head_dim, prefix=f"{prefix}.q_b_proj", **kw
             )
-        else:
-            self.q_proj = ColumnParallelLinear(
-                h, heads * cfg.qk_head_dim, prefix=f"{prefix}.q_proj", **kw
-            )
-        self.kv_a_proj_with_mqa = ReplicatedLinear(
-            h,
-            self.kv_lora + self.rope,
-            bias=cfg.attention_bias,
-            prefix=f"{prefix}.kv_a_proj_with_mqa",
-            **kw,
-        )
         self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.rms_norm_eps, dtype)
         self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora, heads * (self.nope + self.v_dim), prefix=f"{prefix}.kv_b_proj", **kw
         )
+        # partial sums: the decoder all-reduces them with the residual add and the next norm
         self.o_proj = RowParallelLinear(
-            heads * self.v_dim, h, bias=cfg.attention_bias, prefix=f"{prefix}.o_proj", **kw
+            heads * self.v_dim,
+            h,
+            bias=cfg.attention_bias,
+            prefix=f"{prefix}.o_proj",
+            reduce_results=False,
+            **kw,
         )
         # FP8 cache scale (checkpoint k_scale / v_scale; absent -> 1.0)
         self.kv_scale = make_param(torch.ones(1), None, None)
@@ -156,6 +208,9 @@ class MLAAttention(nn.Module):
         # set by prepare_cuda_graph (GPU kernels only); plain attributes, not state
         self._decode_scratch: MLADecodeScratch | None = None
         self._w_absorb: torch.Tensor | None = None
+        # None: the Triton kernels serve supported GPUs; True forces them (tests run them
+        # under the Triton interpreter on a CPU), False forbids them
+        self.use_kernels: bool | None = None
 
     # ---- cache contract used by the runner ------------------------------------------------
     @property
@@ -199,7 +254,7 @@ class MLAAttention(nn.Module):
 
     def _load_kv_scale(self, param: nn.Parameter, w: torch.Tensor, shard_id: object = None) -> None:
         # k_scale and v_scale both describe the one latent row: keep the larger
-        value = w.float().reshape(-1)[:1]
+        value = materialize(w).float().reshape(-1)[:1]
         if self._kv_scale_loaded:
             value = torch.maximum(value, param.data)
         param.data.copy_(value)
@@ -207,29 +262,24 @@ class MLAAttention(nn.Module):
 
     # ---- cache I/O ---------------------------------------------------------------------------
     def _kernels(self, t: torch.Tensor) -> bool:
-        """The Triton MLA kernels serve CUDA tensors of the published 512 + 64 layout."""
+        """The Triton MLA kernels serve CUDA tensors of the published 512 + 64 layout with
+        DeepSeek's interleaved RoPE."""
         from moeserve.kernels.mla_decode import KV_LORA_RANK, ROPE_DIM
 
-        return (
-            t.is_cuda
-            and self.kv_lora == KV_LORA_RANK
+        rot = self.rotary[0]
+        fits = (
+            self.kv_lora == KV_LORA_RANK
             and self.rope == ROPE_DIM
-            and gpu_kernels_enabled(t.device)
+            and rot.interleaved
+            and rot.rotary_dim == self.rope
+            and rot.cos.dtype == torch.float32
         )
+        if self.use_kernels is not None:
+            return fits and self.use_kernels
+        return fits and t.is_cuda and gpu_kernels_enabled(t.device)
 
     def _write(self, c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor) -> None:
-        if self._kernels(c):
-            from moeserve.kernels.kv_cache import write_mla_cache
-
-            fp8 = self.kv_cache.dtype == torch.float8_e4m3fn
-            write_mla_cache(
-                c.contiguous(),
-                k_pe.to(c.dtype).contiguous(),
-                self.kv_cache,
-                slots,
-                self.kv_scale if fp8 else None,
-            )
-            return
+        """torch path: store [c | roped k_pe] rows (the kernel path writes in its rope launch)."""
         keep = slots >= 0  # negative slot: padding token, not stored
         rows = torch.cat([c, k_pe], dim=-1)[keep].float()
         if self.kv_cache.dtype == torch.float8_e4m3fn:
@@ -251,28 +301,126 @@ class MLAAttention(nn.Module):
         pages = table[: -(-n // page_size)].long()
         return self._dequant(self.kv_cache[pages].flatten(0, 1)[:n], dtype)
 
+    def _absorb_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [h, nope, L] and W_UV [h, v, L]: views of kv_b_proj's dense weight (kept on
+        the kernel path: the same storage for a dense layer, one dequantized copy else)."""
+        w = self._w_absorb
+        if w is None or w.dtype != dtype:
+            w = dense_weight(self.kv_b_proj, dtype)
+            if self._kernels(w):
+                self._w_absorb = w
+        w = w.view(self.num_heads, self.nope + self.v_dim, -1)
+        return w[:, : self.nope], w[:, self.nope :]
+
     # ---- compute -------------------------------------------------------------------------------
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, c, k_pe = self._project(x)
+        if self._kernels(q):
+            o = self._forward_kernels(positions, q, c, k_pe, ctx.attn)
         else:
-            q = self.q_proj(x)
-        q = q.view(tokens, self.num_heads, self.nope + self.rope)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
-        c = self.kv_a_layernorm(c.contiguous())
-        q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe.unsqueeze(1))
-        k_pe = k_pe.squeeze(1)
-        md = ctx.attn
-        self._write(c, k_pe, md.slot_mapping)
-        if md.is_decode_only:
-            o = self._absorbed(q_nope, q_pe, md)
-        else:
-            o = self._expanded(q_nope, q_pe, md)
+            o = self._forward_torch(positions, q, c, k_pe, ctx.attn)
         return self.o_proj(o.flatten(1))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, h, nope + rope], the normalised latent c [T, L] and the raw k_pe [T, R]
+        (c and k_pe may be column views of one buffer)."""
+        tokens = x.shape[0]
+        fused = self.fused_qkv_a_proj
+        if fused is not None:
+            qkv = fused(x)
+            qn, kvn = self.q_a_layernorm, self.kv_a_layernorm
+            norm_kernels = self.use_kernels or use_norm_kernels(qkv)  # as RMSNorm decides
+            if norm_kernels and qkv.dtype == qn.weight.dtype == kvn.weight.dtype:
+                from moeserve.kernels.norm import rms_norm_pair
+
+                # both a-norms in one launch, in place; the rope columns stay as they are
+                rms_norm_pair(qkv, qn.weight, kvn.weight, qn.eps, kvn.eps, out=qkv)
+                q_a, c, k_pe = qkv.split([self.q_lora, self.kv_lora, self.rope], dim=-1)
+            else:
+                q_a, c, k_pe = qkv.split([self.q_lora, self.kv_lora, self.rope], dim=-1)
+                q_a, c = qn(q_a), kvn(c)
+            q = self.q_b_proj(q_a)
+        else:
+            if self.q_lora:
+                q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            else:
+                q = self.q_proj(x)
+            c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+            c = self.kv_a_layernorm(c)
+        return q.view(tokens, self.num_heads, self.nope + self.rope), c, k_pe
+
+    def _forward_kernels(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        c: torch.Tensor,
+        k_pe: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Absorbed MLA for every token through the Triton kernels -> [T, h, v]."""
+        from moeserve.kernels.kv_cache import CacheRope, write_mla_cache
+        from moeserve.kernels.mla_decode import mla_decode
+        from moeserve.kernels.mla_prefill import mla_prefill
+
+        tokens, heads, lat = q.shape[0], self.num_heads, self.kv_lora
+        w_uk, w_uv = self._absorb_weights(q.dtype)
+        # absorbed query [T, h, L + R]: q_nope @ W_UK straight into its first L columns ...
+        q_abs = q.new_empty(tokens, heads, lat + self.rope)
+        torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk, out=q_abs[..., :lat].transpose(0, 1))
+        # ... roped q_pe into the last R, in the launch that ropes k_pe and writes the cache
+        rot = self.rotary[0]
+        kv_scale = self.kv_scale if self.kv_cache.dtype == torch.float8_e4m3fn else None
+        rope = CacheRope(positions, rot.cos, rot.sin, q[..., self.nope :], q_abs[..., lat:])
+        write_mla_cache(c, k_pe, self.kv_cache, md.slot_mapping, kv_scale, rope)
+        o_lat = q.new_empty(tokens, heads, lat)
+        n_dec = md.num_decode_seqs  # the leading one-token sequences = the first n_dec tokens
+        if n_dec:
+            ws = None
+            if self._decode_scratch is not None:
+                ws = self._decode_scratch.workspace(n_dec, md.block_tables.shape[1] * md.page_size)
+            mla_decode(
+                q_abs[:n_dec],
+                self.kv_cache,
+                md.block_tables[:n_dec],
+                md.seq_lens[:n_dec],
+                self.scale,
+                o_lat[:n_dec],
+                kv_scale=kv_scale,
+                num_splits=ws[1] if ws else None,
+                workspace=ws[0] if ws else None,
+            )
+        if n_dec < md.num_seqs:  # prefill chunks: causal over their cached context + themselves
+            mla_prefill(
+                q_abs,
+                self.kv_cache,
+                md.query_start[n_dec:],
+                md.seq_lens[n_dec:],
+                md.block_tables[n_dec:],
+                self.scale,
+                o_lat,
+                kv_scale=kv_scale,
+                max_q_len=md.max_prefill_query_len,
+            )
+        o = q.new_empty(tokens, heads, self.v_dim)
+        torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        return o
+
+    def _forward_torch(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        c: torch.Tensor,
+        k_pe: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe.unsqueeze(1))
+        self._write(c, k_pe.squeeze(1), md.slot_mapping)
+        if md.is_decode_only:
+            return self._absorbed(q_nope, q_pe, md)
+        return self._expanded(q_nope, q_pe, md)
 
     def _expanded(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata
@@ -303,37 +451,11 @@ class MLAAttention(nn.Module):
     def _absorbed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
-        """One query per sequence, attending the 576-wide latent rows directly (MQA)."""
+        """torch path: one query per sequence, attending the 576-wide latent rows directly."""
         dtype = q_nope.dtype
-        w = self._w_absorb
-        if w is None or w.dtype != dtype:
-            w = dense_weight(self.kv_b_proj, dtype)
-        w = w.view(self.num_heads, self.nope + self.v_dim, -1)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [h, nope, L], [h, v, L]
+        w_uk, w_uv = self._absorb_weights(dtype)  # [h, nope, L], [h, v, L]
         q_lat = torch.einsum("bhd,hdl->bhl", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe], dim=-1)  # [B, h, L + R]
-        if self._kernels(q):
-            from moeserve.kernels.mla_decode import mla_decode
-
-            o_lat = q.new_empty(q.shape[0], self.num_heads, self.kv_lora)
-            fp8 = self.kv_cache.dtype == torch.float8_e4m3fn
-            ws = None
-            if self._decode_scratch is not None:
-                ws = self._decode_scratch.workspace(
-                    q.shape[0], md.block_tables.shape[1] * md.page_size
-                )
-            mla_decode(
-                q.contiguous(),
-                self.kv_cache,
-                md.block_tables,
-                md.seq_lens,
-                self.scale,
-                o_lat,
-                kv_scale=self.kv_scale if fp8 else None,
-                num_splits=ws[1] if ws else None,
-                workspace=ws[0] if ws else None,
-            )
-            return torch.einsum("bhl,hvl->bhv", o_lat, w_uv)
         length, ps = md.max_seq_len, md.page_size
         pages = md.block_tables[:, : -(-length // ps)].long()
         rows = self._dequant(self.kv_cache[pages].flatten(1, 2)[:, :length], dtype)  # [B, n, L+R]

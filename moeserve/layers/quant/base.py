@@ -35,9 +35,30 @@ def make_param(
     return p
 
 
+def check_block_split(what: str, local: int, block: int, ranks: int) -> None:
+    """A tensor-parallel slice must hold whole quantization blocks (block-FP8: 128), or two
+    ranks would share a block's scale; say so in one sentence."""
+    if ranks > 1 and block > 1 and local % block:
+        from moeserve.config import ConfigError
+
+        raise ConfigError(
+            f"{what}: {local} features per rank over {ranks} ranks is not a multiple of the "
+            f"checkpoint's {block}-wide quantization blocks; use a tensor-parallel size that "
+            "keeps blocks whole"
+        )
+
+
+def materialize(w: torch.Tensor) -> torch.Tensor:
+    """A checkpoint tensor as data. Loaders may hand weight loaders lazy slices (objects with
+    `shape`, `narrow`, `select`, `[...]` and `materialize()`) so that each rank reads only
+    its part of a tensor from disk; slicing stays lazy until the copy."""
+    m = getattr(w, "materialize", None)
+    return m() if m is not None else w
+
+
 def copy_loader(param: nn.Parameter, w: torch.Tensor, shard_id: object = None) -> None:
     """`weight_loader` of a replicated parameter: the checkpoint tensor as it is."""
-    param.data.copy_(w.reshape(param.shape))
+    param.data.copy_(materialize(w).reshape(param.shape))
 
 
 class LinearMethod(ABC):

@@ -1,0 +1,281 @@
+"""Decode time per full-size MoE layer: moeserve (dummy weights in the serving format, CUDA
+graphs) against HF transformers' DeepseekV3 on the same shapes, batch 1 / 8 / 64.
+
+Run on the GPU machine from the repository root:
+  PYTHONPATH=$PWD python benchmarks/decode_layer.py --out benchmarks/results [--commit SHA]
+
+Method. For each published config (benchmarks/configs/), the engine is built with
+`--load-format dummy --num-layers L` for L = 2 and 6 (the first layer is dense, the others
+MoE): the slope (t6 - t2) / 4 is one MoE layer. B requests (64-token prompts, greedy,
+ignore_eos) are prefilled, then the engine's own decode steps are timed (wall clock of
+`LLMEngine.step`, i.e. what a client sees, host work included) after warm-up. The engine's
+decode profiler (`--profile-decode`) gives the kernels per layer, the kernel time and the GPU
+idle (host gap) per step. % of HBM = the bytes one MoE layer reads per step / its time /
+4.3 TB/s: attention, router, shared expert, and the distinct routed experts the batch
+touches, E * (1 - (1 - k/E)^B) of them (uniform routing: the dummy router is random).
+Peer: HF transformers' DeepseekV3ForCausalLM (bf16 weights, experts unquantized: HF has no
+NVFP4 path) at 2 and 3 layers, one decode step per forward with its KV cache; its slope is
+one MoE layer. Load time per layer is reported too (dummy weights generated on the GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = {"kimi-k2.5-nvfp4": HERE / "configs/kimi-k2.5-nvfp4"}
+OPTIONAL = {"deepseek-v3-fp8": HERE / "configs/deepseek-v3-fp8"}
+LAYERS = (2, 6)
+BATCHES = (1, 8, 64)
+PROMPT = 64
+WARMUP_STEPS = 8
+TIMED_STEPS = 48
+HBM_BYTES_PER_S = 4.3e12
+BEFORE_MS_PER_LAYER = 0.345  # one H200, batch 1, commit 45ee28c (shared/PERF.md)
+TARGET_MS = 0.20
+
+
+def _engine(path: Path, layers: int, profile_steps: int):
+    from moeserve.engine.engine import build_engine
+
+    return build_engine(
+        str(path),
+        load_format="dummy",
+        num_layers=layers,
+        max_model_len=1024,
+        max_num_seqs=max(BATCHES),
+        max_num_batched_tokens=max(BATCHES) * PROMPT,
+        cuda_graph_max_bs=max(BATCHES),
+        profile_decode=profile_steps,
+    )
+
+
+def _decode_ms(engine, batch: int) -> tuple[float, dict]:
+    """Median wall ms per decode step of `batch` sequences, and the decode profile."""
+    from moeserve.engine.profile import DecodeProfiler
+    from moeserve.sampling import SamplingParams
+
+    steps = WARMUP_STEPS + TIMED_STEPS + 2
+    params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        ids = torch.randint(10, 500, (PROMPT,), generator=gen).tolist()
+        engine.add_request(f"b{batch}-{i}", ids, params)
+    while any(r.num_computed < r.num_tokens - 1 for r in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()  # prefill (chunked) until every sequence decodes
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    engine.profiler = DecodeProfiler(TIMED_STEPS, engine.runner.device)
+    times = []
+    for _ in range(TIMED_STEPS + 1):  # the first only starts the profiler
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1000)
+    prof = engine.profiler.result
+    while engine.has_unfinished():
+        engine.step()
+    assert prof is not None, "the profiler did not finish (steps were not decode-only?)"
+    return statistics.median(times[1:]), {
+        "kernel_ms": prof.kernel_ms,
+        "idle_ms": prof.idle_ms,
+        "kernels_per_step": prof.kernels_per_step,
+        "kernels_per_layer": prof.kernels_per_layer,
+        "components_ms": prof.components_ms,
+        "table": prof.table(),
+    }
+
+
+def _moe_layer_bytes(engine, batch: int) -> tuple[int, float]:
+    """Bytes one MoE layer reads per step at `batch` (distinct experts by uniform routing)."""
+    model = engine.runner.model
+    layer = next(lay for lay in model.model.layers if hasattr(lay.mlp, "experts"))
+    experts = layer.mlp.experts
+    e = experts.layout.num_local
+    k = engine.loaded.config.num_experts_per_tok
+    expert_bytes = sum(p.numel() * p.element_size() for p in experts.parameters()) / e
+    rest = sum(p.numel() * p.element_size() for p in layer.parameters()) - expert_bytes * e
+    touched = e * (1 - (1 - k / e) ** batch)
+    return int(rest + touched * expert_bytes), touched
+
+
+def bench_moeserve(name: str, path: Path) -> dict:
+    out: dict = {"config": str(path.relative_to(HERE.parent)), "layers": {}}
+    for layers in LAYERS:
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        engine = _engine(path, layers, 0)
+        load_s = time.perf_counter() - t0
+        row = {"load_s": load_s, "graphs": engine.runner.graph_status, "batches": {}}
+        for b in BATCHES:
+            ms, prof = _decode_ms(engine, b)
+            row["batches"][str(b)] = {"ms_per_step": ms, **prof}
+            print(f"{name} L={layers} B={b}: {ms:.3f} ms/step", flush=True)
+            print(prof["table"], flush=True)
+        row["moe_layer_bytes"] = {str(b): _moe_layer_bytes(engine, b) for b in BATCHES}
+        out["layers"][str(layers)] = row
+        engine.shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    lo, hi = (out["layers"][str(n)] for n in LAYERS)
+    out["per_layer"] = {}
+    for b in BATCHES:
+        key = str(b)
+        ms = (hi["batches"][key]["ms_per_step"] - lo["batches"][key]["ms_per_step"]) / (
+            LAYERS[1] - LAYERS[0]
+        )
+        nbytes, touched = lo["moe_layer_bytes"][key]
+        limit_ms = nbytes / HBM_BYTES_PER_S * 1000
+        kpl = hi["batches"][key]["kernels_per_layer"]
+        moe_layers = [v for k, v in kpl.items() if int(k) >= 1]
+        out["per_layer"][key] = {
+            "ms": ms,
+            "bytes": nbytes,
+            "experts_touched": touched,
+            "limit_ms": limit_ms,
+            "pct_hbm": 100 * limit_ms / ms if ms > 0 else 0.0,
+            "kernels_per_layer": statistics.median(moe_layers) if moe_layers else None,
+            "idle_ms_per_step": hi["batches"][key]["idle_ms"],
+        }
+    out["load_s_per_layer"] = (hi["load_s"] - lo["load_s"]) / (LAYERS[1] - LAYERS[0])
+    return out
+
+
+def bench_hf(path: Path) -> dict:
+    """HF transformers' DeepseekV3 (bf16, experts unquantized) at 2 and 3 layers."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    with open(path / "config.json") as f:
+        raw = json.load(f)
+    text = raw.get("text_config", raw)
+    skip = ("quantization_config", "architectures", "model_type", "auto_map")
+    out: dict = {"layers": {}}
+    for layers in (2, 3):
+        cfg = DeepseekV3Config(**{k: v for k, v in text.items() if k not in skip})
+        cfg.num_hidden_layers = layers
+        cfg._attn_implementation = "sdpa"
+        torch.cuda.empty_cache()
+        with torch.device("cuda"):
+            model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16).eval()
+        res = {}
+        for b in BATCHES:
+            ids = torch.randint(10, 500, (b, PROMPT), device="cuda")
+            with torch.inference_mode():
+                o = model(ids, use_cache=True)
+                past = o.past_key_values
+                nxt = o.logits[:, -1:].argmax(-1)
+                times = []
+                for i in range(WARMUP_STEPS + 16):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    o = model(nxt, past_key_values=past, use_cache=True)
+                    nxt = o.logits[:, -1:].argmax(-1)
+                    torch.cuda.synchronize()
+                    if i >= WARMUP_STEPS:
+                        times.append((time.perf_counter() - t0) * 1000)
+                    past = o.past_key_values
+            res[str(b)] = statistics.median(times)
+            print(f"HF L={layers} B={b}: {res[str(b)]:.3f} ms/step", flush=True)
+        out["layers"][str(layers)] = res
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    out["per_layer_ms"] = {
+        str(b): out["layers"]["3"][str(b)] - out["layers"]["2"][str(b)] for b in BATCHES
+    }
+    return out
+
+
+def _versions(commit: str | None) -> dict:
+    import transformers
+    import triton
+
+    if commit is None:
+        commit = subprocess.run(
+            "git rev-parse HEAD 2>/dev/null || echo uncommitted",
+            shell=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    return {
+        "commit": commit,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_markdown(res: dict, path: Path) -> None:
+    v = res["versions"]
+    lines = [
+        "# Decode time per full-size MoE layer (one GPU)",
+        "",
+        f"commit {v['commit']}, {v['gpu']}, torch {v['torch']}, triton {v['triton']}, "
+        f"transformers {v['transformers']}. Method: benchmarks/decode_layer.py docstring "
+        "(slope of L=6 vs L=2 steps; HF peer slope of 3 vs 2 layers).",
+        "",
+    ]
+    for name, r in res["moeserve"].items():
+        lines += [
+            f"## {name}",
+            "",
+            "| batch | ms per MoE layer | limit (bytes / 4.3 TB/s) | % of HBM | kernels per "
+            "layer | GPU idle per step | HF transformers per layer | target |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        hf = res.get("hf", {}).get(name, {}).get("per_layer_ms", {})
+        for b, p in r["per_layer"].items():
+            target = f"<= {TARGET_MS} ms" if b == "1" else ""
+            peer = f"{hf[b]:.3f} ms" if b in hf else "n/a"
+            lines.append(
+                f"| {b} | {p['ms']:.3f} ms | {p['limit_ms']:.3f} ms ({p['bytes'] / 1e6:.0f} MB, "
+                f"{p['experts_touched']:.0f} experts) | {p['pct_hbm']:.0f}% | "
+                f"{p['kernels_per_layer']} | {p['idle_ms_per_step'] * 1000:.0f} us | {peer} | "
+                f"{target} |"
+            )
+        lines += [
+            "",
+            f"Before this change (commit 45ee28c, batch 1): {BEFORE_MS_PER_LAYER} ms per MoE "
+            f"layer. Dummy load: {r['load_s_per_layer']:.1f} s per full-size layer (target <= 5 s).",
+            "",
+        ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--deepseek", action="store_true", help="also the DeepSeek-V3 FP8 config")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    configs = dict(CONFIGS, **(OPTIONAL if args.deepseek else {}))
+    res: dict = {"versions": _versions(args.commit), "moeserve": {}, "hf": {}}
+    for name, path in configs.items():
+        res["moeserve"][name] = bench_moeserve(name, path)
+        json_path = Path(args.out) / "decode_layer.json"
+        json_path.write_text(json.dumps(res, indent=1))
+    if not args.no_hf:
+        res["hf"]["kimi-k2.5-nvfp4"] = bench_hf(CONFIGS["kimi-k2.5-nvfp4"])
+    Path(args.out, "decode_layer.json").write_text(json.dumps(res, indent=1))
+    write_markdown(res, Path(args.out) / "decode_layer.md")
+    print((Path(args.out) / "decode_layer.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

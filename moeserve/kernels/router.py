@@ -1,0 +1,292 @@
+"""MoE routing in one launch: router logits -> (top-k weights, expert ids).
+
+Semantics are those of ``moeserve.layers.moe.select_experts`` (DeepSeek-V2/V3, Kimi):
+
+- scores = sigmoid(logits) or softmax(logits) (fp32);
+- choice = scores + e_score_correction_bias (when given);
+- with ``n_group > 1``: each group of E / n_group consecutive experts gets a score (noaux_tc:
+  the sum of its best two choice values; group_limited_greedy: its best one), the
+  ``topk_group`` best groups are kept, the others' experts are excluded;
+- ids = the top_k experts by choice; weights = their *unbiased* scores;
+- noaux_tc: weights renormalised to sum 1 (norm_topk_prob), then times routed_scaling_factor;
+  greedy / group_limited_greedy (V2): renormalised if norm_topk_prob and top_k > 1, else
+  times routed_scaling_factor (the V2 reference applies one or the other).
+
+Ties (equal choice values, or equal group scores) go to the LOWER expert (group) index, in
+both the kernel and ``route_ref``; ids are listed best first. ``select_experts`` (torch.topk)
+leaves tie order unspecified, so the two agree as sets wherever there are no exact ties.
+
+Layouts: ``logits [T, E]`` float (fp32 from the gate GEMV; last dim contiguous), ``bias
+[E]`` or None, outputs ``weights [T, k]`` fp32 and ``ids [T, k]`` int32 (preallocated ones
+may be passed). One program per token holds its whole row (E up to 1024) in registers;
+every top-k step is one argmax reduction. The launch depends only on shapes: CUDA-graph
+capturable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_EXPERTS = 1024
+TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+SCORING_FUNCS = ("sigmoid", "softmax")
+# noaux_tc group score = sum of the best this many biased scores of the group
+_GROUP_TOP = 2
+# renormalisation guard of the reference (weights / (sum + eps))
+_RENORM_EPS = 1e-20
+
+
+@triton.jit
+def _score(x, m, denom, SOFTMAX: tl.constexpr):
+    if SOFTMAX:
+        return tl.exp(x - m) / denom
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    bias_ptr,
+    w_ptr,
+    ids_ptr,
+    stride_lt,
+    stride_wt,
+    stride_it,
+    group_size,
+    scale,
+    N_GROUP: tl.constexpr,
+    NG_P2: tl.constexpr,
+    GS_P2: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUP_TOP2: tl.constexpr,
+    RENORM: tl.constexpr,
+    RENORM_EPS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    row = logits_ptr + t * stride_lt
+    # the row as [groups, experts per group], padded to powers of two
+    g = tl.arange(0, NG_P2)
+    j = tl.arange(0, GS_P2)
+    e = g[:, None] * group_size + j[None, :]
+    valid = (g[:, None] < N_GROUP) & (j[None, :] < group_size)
+    x = tl.load(row + e, mask=valid, other=float("-inf")).to(tl.float32)
+    if SOFTMAX:
+        m = tl.max(tl.max(x, axis=1), axis=0)
+        denom = tl.sum(tl.sum(tl.where(valid, tl.exp(x - m), 0.0), axis=1), axis=0)
+    else:
+        m = 0.0
+        denom = 1.0
+    choice = _score(x, m, denom, SOFTMAX)
+    if HAS_BIAS:
+        choice += tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+
+    if N_GROUP > 1:
+        best = tl.max(choice, axis=1)
+        if GROUP_TOP2:
+            first = tl.argmax(choice, axis=1, tie_break_left=True)
+            second = tl.max(tl.where(j[None, :] == first[:, None], float("-inf"), choice), axis=1)
+            gscore = best + second
+        else:
+            gscore = best
+        gscore = tl.where(g < N_GROUP, gscore, float("-inf"))
+        keep = g < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            gi = tl.argmax(gscore, axis=0, tie_break_left=True)
+            keep = keep | (g == gi)
+            gscore = tl.where(g == gi, float("-inf"), gscore)
+        choice = tl.where(keep[:, None], choice, float("-inf"))
+
+    # top-k over the flattened row: flat order is expert order, so the leftmost maximum is
+    # the lowest expert index among equals
+    flat = tl.reshape(choice, [NG_P2 * GS_P2])
+    f = tl.arange(0, NG_P2 * GS_P2)
+    kk = tl.arange(0, K_P2)
+    ids = tl.zeros([K_P2], tl.int32)
+    for i in tl.static_range(TOP_K):
+        fi = tl.argmax(flat, axis=0, tie_break_left=True)
+        ids = tl.where(kk == i, ((fi // GS_P2) * group_size + fi % GS_P2).to(tl.int32), ids)
+        flat = tl.where(f == fi, float("-inf"), flat)
+
+    # weights: the chosen experts' unbiased scores, recomputed from their logits (the same
+    # arithmetic as above, so the same values)
+    kmask = kk < TOP_K
+    xs = tl.load(row + ids, mask=kmask, other=0.0).to(tl.float32)
+    w = tl.where(kmask, _score(xs, m, denom, SOFTMAX), 0.0)
+    if RENORM:
+        w = w / (tl.sum(w, axis=0) + RENORM_EPS)
+    w = w * scale
+    tl.store(w_ptr + t * stride_wt + kk, w, mask=kmask)
+    tl.store(ids_ptr + t * stride_it + kk, ids, mask=kmask)
+
+
+def _weight_rule(
+    topk_method: str, top_k: int, norm_topk_prob: bool, routed_scaling_factor: float
+) -> tuple[bool, float]:
+    """(renormalise?, factor applied after) as select_experts does per method."""
+    if topk_method == "noaux_tc":
+        return norm_topk_prob, routed_scaling_factor
+    if top_k > 1 and norm_topk_prob:
+        return True, 1.0
+    return False, routed_scaling_factor
+
+
+def _check(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scoring_func: str,
+    topk_method: str,
+) -> tuple[int, int]:
+    if logits.dim() != 2 or not logits.is_floating_point() or logits.stride(-1) != 1:
+        raise ValueError("logits must be a float [T, E] tensor with a contiguous last dim")
+    tokens, experts = logits.shape
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"the router kernel handles 1..{MAX_EXPERTS} experts, got {experts}")
+    if scoring_func not in SCORING_FUNCS:
+        raise ValueError(f"unsupported scoring_func {scoring_func!r}")
+    if topk_method not in TOPK_METHODS:
+        raise ValueError(f"unsupported topk_method {topk_method!r}")
+    if bias is not None and (bias.shape != (experts,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{experts}] vector")
+    grouped = n_group > 1 and topk_method != "greedy"
+    if grouped:
+        if experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(
+                f"{experts} experts do not split into {n_group} groups keeping {topk_group}"
+            )
+        if topk_method == "noaux_tc" and experts // n_group < _GROUP_TOP:
+            raise ValueError(f"noaux_tc groups need at least {_GROUP_TOP} experts")
+    available = topk_group * (experts // n_group) if grouped else experts
+    if not 1 <= top_k <= available:
+        raise ValueError(f"top_k {top_k} must be in 1..{available}")
+    return tokens, experts
+
+
+def _check_out(t: torch.Tensor, name: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
+    if tuple(t.shape) != shape or t.dtype != dtype or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be {dtype} {list(shape)} with a contiguous last dim")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def route(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    *,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scoring_func: str = "sigmoid",
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+    topk_method: str = "noaux_tc",
+    out_weights: torch.Tensor | None = None,
+    out_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights fp32 [T, top_k], expert ids int32 [T, top_k]) in one
+    launch (see the module docstring). On a CPU without the Triton interpreter it runs
+    ``route_ref``."""
+    tokens, experts = _check(logits, bias, top_k, n_group, topk_group, scoring_func, topk_method)
+    if out_weights is None:
+        out_weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    if out_ids is None:
+        out_ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    _check_out(out_weights, "out_weights", (tokens, top_k), torch.float32)
+    _check_out(out_ids, "out_ids", (tokens, top_k), torch.int32)
+    kw = dict(
+        n_group=n_group,
+        topk_group=topk_group,
+        scoring_func=scoring_func,
+        norm_topk_prob=norm_topk_prob,
+        routed_scaling_factor=routed_scaling_factor,
+        topk_method=topk_method,
+    )
+    if not logits.is_cuda and not _interpreting():
+        w, i = route_ref(logits, bias, top_k, **kw)
+        out_weights.copy_(w)
+        out_ids.copy_(i)
+        return out_weights, out_ids
+    if tokens == 0:
+        return out_weights, out_ids
+    grouped = n_group > 1 and topk_method != "greedy"
+    groups = n_group if grouped else 1
+    renorm, scale = _weight_rule(topk_method, top_k, norm_topk_prob, routed_scaling_factor)
+    ng_p2 = triton.next_power_of_2(groups)
+    gs_p2 = triton.next_power_of_2(experts // groups)
+    _route_kernel[(tokens,)](
+        logits,
+        bias if bias is not None else logits,
+        out_weights,
+        out_ids,
+        logits.stride(0),
+        out_weights.stride(0),
+        out_ids.stride(0),
+        experts // groups,
+        float(scale),
+        N_GROUP=groups,
+        NG_P2=ng_p2,
+        GS_P2=gs_p2,
+        TOPK_GROUP=topk_group if grouped else 1,
+        TOP_K=top_k,
+        K_P2=triton.next_power_of_2(top_k),
+        SOFTMAX=scoring_func == "softmax",
+        HAS_BIAS=bias is not None,
+        GROUP_TOP2=topk_method == "noaux_tc",
+        RENORM=renorm,
+        RENORM_EPS=_RENORM_EPS,
+        # one warp per token up to 512 experts: the reductions stay within warp shuffles
+        num_warps=max(1, ng_p2 * gs_p2 // 512),
+    )
+    return out_weights, out_ids
+
+
+def route_ref(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    *,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scoring_func: str = "sigmoid",
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+    topk_method: str = "noaux_tc",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch reference of :func:`route` with the same tie rule (stable sorts: among equals
+    the lower index first)."""
+    _check(logits, bias, top_k, n_group, topk_group, scoring_func, topk_method)
+    x = logits.float()
+    scores = x.sigmoid() if scoring_func == "sigmoid" else x.softmax(dim=-1)
+    choice = scores if bias is None else scores + bias.float()
+    tokens, experts = choice.shape
+    if n_group > 1 and topk_method != "greedy":
+        grouped = choice.view(tokens, n_group, experts // n_group)
+        if topk_method == "noaux_tc":
+            top = grouped.sort(dim=-1, descending=True, stable=True).values[..., :_GROUP_TOP]
+            group_scores = top.sum(-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        keep = group_scores.sort(dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(
+            ~group_mask.repeat_interleave(experts // n_group, 1), -torch.inf
+        )
+    ids = choice.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids)
+    renorm, scale = _weight_rule(topk_method, top_k, norm_topk_prob, routed_scaling_factor)
+    if renorm:
+        weights = weights / (weights.sum(-1, keepdim=True) + _RENORM_EPS)
+    return weights * scale, ids.to(torch.int32)

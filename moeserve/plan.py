@@ -1,0 +1,851 @@
+"""`moeserve plan`: a deployment planned from a checkpoint's shapes, with no GPU present.
+
+From config.json (+ hf_quant_config.json / `quantization_config`) it builds the model on the
+meta device once per distinct rank, exactly as the engine would build it, and reads:
+
+- weights per GPU: the bytes of that rank's parameters and buffers in their serving format
+  (the max over ranks); a safetensors index's `total_size`, where there is one, is shown as
+  a cross-check of the whole model;
+- KV bytes per token: the model's own `kv_cache_bytes_per_token` (MLA: layers x
+  (kv_lora_rank + qk_rope_head_dim) x dtype bytes; the latent is replicated on every rank);
+- activations and CUDA graphs: estimates (`activation_estimate`), where the engine measures;
+- KV pages for `--gpu-memory-utilization` of the GPU's memory and the max context, through
+  the engine's own `plan_kv_pages` and printed as the engine's table;
+- the kernels that would run and every fallback with its reason (`kernel_choices`, the one
+  function the engine calls at start-up too).
+
+Exit code: 0 when the deployment fits, 1 when it does not (the plan then names the smallest
+`-tp` that fits), 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from moeserve.config import (
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    add_config_arguments,
+    config_from_args,
+    parse_dtype,
+)
+from moeserve.engine.memory import GIB, MemoryPlan, format_memory_table, plan_kv_pages
+from moeserve.hardware import GPUS, GPUS_PER_HOST, MIB, GpuSpec, Interconnect, gpu_spec
+from moeserve.layers.quant.base import NoQuant, QuantConfig, UnquantizedLinearMethod
+
+# Triton allows e4m3 conversions (`fp8e4nv`, used by the NVFP4 scale decode, the block-FP8
+# GEMM and the FP8 latent cache) from sm_89 (triton/backends/nvidia/compiler.py)
+FP8_CONVERSION_CAPABILITY = (8, 9)
+# the layout the Triton MLA decode kernel is written for (kernels/mla_decode.py)
+MLA_KERNEL_LAYOUT = (512, 64)
+FP32_BYTES = 4
+# estimates of memory outside the model (the engine measures it as "other" at start-up):
+# CUDA context + cuBLAS/Triton workspaces, and communicator buffers with more than one rank
+CUDA_CONTEXT_BYTES = 512 * MIB
+COMM_BUFFER_BYTES = 512 * MIB
+# the residual stream of one step: hidden, residual, normed input, attention output, MLP
+# output, all-reduce buffer (each tokens x hidden)
+HIDDEN_STREAM_BUFFERS = 6
+# full-vocabulary fp32 copies of the logit rows besides this rank's slice: the gathered
+# logits and the sampler's probabilities
+LOGIT_COPIES = 2
+# largest -tp tried when a deployment does not fit
+MAX_SUGGESTED_TP = 256
+
+
+# ---- kernel choice ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KernelChoice:
+    """What runs for one part of the model, and why; `fallback`: not what the hardware would
+    ideally run (the reason says what is missing)."""
+
+    what: str
+    choice: str
+    reason: str
+    fallback: bool = False
+
+    def line(self, width: int = 24) -> str:
+        mark = "fallback: " if self.fallback else ""
+        return f"  {self.what:<{width}} {self.choice} ({mark}{self.reason})"
+
+
+def _sm(cap: tuple[int, int]) -> str:
+    return f"sm_{cap[0]}{cap[1]}"
+
+
+def _quant_formats(quant: QuantConfig) -> tuple[str, bool]:
+    """(stored weight format of the quantized layers: none | nvfp4 | fp8-block, W4A4)."""
+    from moeserve.layers.quant.fp8_block import Fp8BlockConfig
+    from moeserve.layers.quant.nvfp4 import CompressedTensorsNvfp4Config, ModelOptNvfp4Config
+
+    if isinstance(quant, ModelOptNvfp4Config | CompressedTensorsNvfp4Config):
+        return "nvfp4", bool(getattr(quant.scheme, "activations", False))
+    if isinstance(quant, Fp8BlockConfig):
+        return "fp8-block", False
+    return "none", False
+
+
+def _linear_prefixes(cfg: ModelConfig) -> Iterator[str]:
+    """The checkpoint-space names of the model's linears (what quant configs match), every
+    layer."""
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        if cfg.is_mla:
+            attn = ["q_a_proj", "q_b_proj"] if cfg.q_lora_rank else ["q_proj"]
+            attn += ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+        else:
+            attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        yield from (f"{p}.self_attn.{a}" for a in attn)
+        moe = cfg.is_moe_layer(i)
+        if moe and not cfg.n_shared_experts:
+            continue
+        mlp = f"{p}.mlp.shared_experts" if moe else f"{p}.mlp"
+        yield from (f"{mlp}.{x}_proj" for x in ("gate", "up", "down"))
+
+
+def effective_kv_cache_dtype(
+    wanted: torch.dtype, capability: tuple[int, int] | None
+) -> tuple[torch.dtype, KernelChoice]:
+    """The latent-cache dtype that runs for `wanted` (resolved from --kv-cache-dtype and the
+    checkpoint, `moeserve.loader.safetensors.resolve_kv_cache_dtype`) on a GPU of
+    `capability` (None: the CPU, whose torch path handles FP8 rows)."""
+    name = str(wanted).replace("torch.", "")
+    if wanted != torch.float8_e4m3fn:
+        return wanted, KernelChoice("KV cache", name, "--kv-cache-dtype, or the model dtype")
+    if capability is not None and capability < FP8_CONVERSION_CAPABILITY:
+        return torch.bfloat16, KernelChoice(
+            "KV cache",
+            "bfloat16",
+            f"an FP8 latent cache needs e4m3 conversions, which Triton allows from "
+            f"{_sm(FP8_CONVERSION_CAPABILITY)}; this GPU is {_sm(capability)}",
+            fallback=True,
+        )
+    return wanted, KernelChoice(
+        "KV cache",
+        "fp8 e4m3",
+        "the checkpoint or --kv-cache-dtype asks for it; one scale per layer, half of bf16's bytes",
+    )
+
+
+def kernel_choices(
+    model_cfg: ModelConfig,
+    quant: QuantConfig | None,
+    capability: tuple[int, int] | None,
+    kv_cache_dtype: torch.dtype,
+    interconnect: Interconnect | None,
+    *,
+    tp_size: int = 1,
+    hosts: int = 1,
+    all_reduce: str = "auto",
+    enforce_eager: bool = False,
+) -> list[KernelChoice]:
+    """The implementation of each part of the model on a device of `capability` (None: CPU),
+    with the reason for each, fallbacks flagged. `kv_cache_dtype`: the cache dtype asked for
+    (before the hardware's fallback); `interconnect`: how the GPUs of one host reach each
+    other; `all_reduce`: the --all-reduce setting."""
+    from moeserve.kernels.select import BLACKWELL_CAPABILITY, select_kernel
+
+    quant = quant or NoQuant()
+    fmt, w4a4 = _quant_formats(quant)
+    gpu = capability is not None
+    where = _sm(capability) if gpu else "CPU"
+    triton = gpu and select_kernel("cuda", capability=capability) != "torch"
+    fp8_ok = gpu and capability >= FP8_CONVERSION_CAPABILITY
+    out: list[KernelChoice] = []
+
+    out.append(
+        KernelChoice(
+            "BF16 linears",
+            "cuBLAS (torch.matmul)" if gpu else "torch matmul",
+            "the LM head and every linear the checkpoint keeps unquantized",
+        )
+    )
+
+    native_fp4 = gpu and capability >= BLACKWELL_CAPABILITY
+    quantized_linears = any(
+        not isinstance(quant.linear_method(p), UnquantizedLinearMethod)
+        for p in _linear_prefixes(model_cfg)
+    )
+    if fmt == "nvfp4" and quantized_linears:
+        if not gpu:
+            out.append(KernelChoice("NVFP4 linears", "torch", "dequantized per layer on the CPU"))
+        elif not (triton and fp8_ok):
+            out.append(
+                KernelChoice(
+                    "NVFP4 linears",
+                    "torch (dequantize + cuBLAS)",
+                    f"the Triton NVFP4 kernels decode e4m3 scales, which Triton allows from "
+                    f"{_sm(FP8_CONVERSION_CAPABILITY)}; this GPU is {where}",
+                    fallback=True,
+                )
+            )
+        elif native_fp4:
+            out.append(
+                KernelChoice(
+                    "NVFP4 linears",
+                    "Triton W4A16",
+                    f"native FP4 tensor cores ({where}) are not implemented yet; codes are "
+                    "decoded in registers and multiplied in bf16",
+                    fallback=True,
+                )
+            )
+        else:
+            out.append(
+                KernelChoice(
+                    "NVFP4 linears", "Triton W4A16", "packed codes decoded in registers (GEMV/GEMM)"
+                )
+            )
+    if fmt == "nvfp4" and w4a4:
+        out.append(
+            KernelChoice(
+                "NVFP4 activations",
+                "bf16 (weight-only)",
+                "the checkpoint is W4A4; its input scales are loaded but FP4 activation "
+                "math is not implemented",
+                fallback=True,
+            )
+        )
+    if fmt == "fp8-block" and quantized_linears:
+        from moeserve.kernels.fp8_block_gemm import FP8_BLOCK
+
+        block = getattr(getattr(quant, "scheme", None), "block", FP8_BLOCK)
+        if not gpu:
+            out.append(KernelChoice("block-FP8 linears", "torch", "dequantized per layer"))
+        elif not (triton and fp8_ok):
+            out.append(
+                KernelChoice(
+                    "block-FP8 linears",
+                    "torch (dequantize + cuBLAS)",
+                    f"the Triton block-FP8 GEMM converts e4m3, which Triton allows from "
+                    f"{_sm(FP8_CONVERSION_CAPABILITY)}; this GPU is {where}",
+                    fallback=True,
+                )
+            )
+        elif block != FP8_BLOCK:
+            out.append(
+                KernelChoice(
+                    "block-FP8 linears",
+                    "torch (dequantize + cuBLAS)",
+                    f"the Triton kernel is written for {FP8_BLOCK}x{FP8_BLOCK} blocks, "
+                    f"not {block}x{block}",
+                    fallback=True,
+                )
+            )
+        else:
+            out.append(
+                KernelChoice(
+                    "block-FP8 linears", "Triton W8A16", "128x128 block scales applied in-kernel"
+                )
+            )
+
+    graph_blockers: list[str] = []
+    if model_cfg.n_routed_experts:
+        first_moe = f"model.layers.{model_cfg.first_k_dense_replace}.mlp.experts"
+        if fmt == "nvfp4" and quant.moe_method(first_moe) is not None:
+            if gpu and triton and fp8_ok:
+                reason = "one launch for all experts; capturable in CUDA graphs"
+                if native_fp4:
+                    reason += "; native FP4 tensor cores not implemented yet (W4A16)"
+                out.append(
+                    KernelChoice(
+                        "routed experts", "fused Triton NVFP4 MoE", reason, fallback=native_fp4
+                    )
+                )
+            elif gpu:
+                out.append(
+                    KernelChoice(
+                        "routed experts",
+                        "per-expert loop (dequantize + cuBLAS)",
+                        f"the fused NVFP4 MoE needs {_sm(FP8_CONVERSION_CAPABILITY)}+",
+                        fallback=True,
+                    )
+                )
+                graph_blockers.append("routed experts")
+            else:
+                out.append(KernelChoice("routed experts", "per-expert loop", "CPU path"))
+        else:
+            stored = "block-FP8" if fmt == "fp8-block" else "BF16"
+            if gpu:
+                out.append(
+                    KernelChoice(
+                        "routed experts",
+                        "per-expert loop (dequantize + cuBLAS)",
+                        f"no fused {stored} MoE kernel yet; the loop reads expert ids on the "
+                        "host, so decode cannot be captured in a CUDA graph",
+                        fallback=True,
+                    )
+                )
+                graph_blockers.append("routed experts")
+            else:
+                out.append(KernelChoice("routed experts", "per-expert loop", "CPU path"))
+
+    if model_cfg.is_mla:
+        layout = (model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim)
+        if gpu and triton and layout == MLA_KERNEL_LAYOUT:
+            out.append(
+                KernelChoice(
+                    "MLA decode",
+                    "Triton MLA decode (absorbed, split-KV)",
+                    f"the {layout[0]}+{layout[1]} latent layout",
+                )
+            )
+        elif gpu:
+            why = (
+                f"the Triton kernel is written for the {MLA_KERNEL_LAYOUT[0]}+"
+                f"{MLA_KERNEL_LAYOUT[1]} layout, not {layout[0]}+{layout[1]}"
+                if layout != MLA_KERNEL_LAYOUT
+                else f"no Triton kernels on {where}"
+            )
+            out.append(KernelChoice("MLA decode", "torch (gather + einsum)", why, fallback=True))
+            graph_blockers.append("MLA decode")
+        else:
+            out.append(KernelChoice("MLA decode", "torch (gather + einsum)", "CPU path"))
+        out.append(
+            KernelChoice(
+                "MLA prefill",
+                "torch SDPA, expanded form",
+                "per sequence; the cached latent is expanded through kv_b_proj",
+            )
+        )
+    else:
+        out.append(KernelChoice("attention", "torch SDPA", "paged KV gathered per sequence"))
+        graph_blockers.append("attention")
+
+    out.append(effective_kv_cache_dtype(kv_cache_dtype, capability)[1])
+
+    if gpu:
+        if enforce_eager:
+            out.append(KernelChoice("CUDA graphs", "off", "--enforce-eager"))
+        elif graph_blockers:
+            out.append(
+                KernelChoice(
+                    "CUDA graphs",
+                    "off (decode runs eagerly)",
+                    f"{', '.join(graph_blockers)} cannot be captured",
+                    fallback=True,
+                )
+            )
+        else:
+            out.append(KernelChoice("CUDA graphs", "decode replayed", "every part is capturable"))
+
+    if tp_size > 1:
+        out.append(_all_reduce_choice(gpu, interconnect, hosts, all_reduce))
+    return out
+
+
+def _all_reduce_choice(
+    gpu: bool, interconnect: Interconnect | None, hosts: int, all_reduce: str
+) -> KernelChoice:
+    if not gpu:
+        return KernelChoice("all-reduce", "gloo", "CPU processes")
+    if hosts > 1:
+        return KernelChoice("all-reduce", "NCCL", f"the ranks span {hosts} hosts")
+    if all_reduce == "nccl":
+        return KernelChoice("all-reduce", "NCCL", "--all-reduce nccl")
+    if interconnect in ("nvlink", "pcie-p2p"):
+        return KernelChoice(
+            "all-reduce",
+            "one-shot over peer memory, NCCL above the size threshold",
+            f"the GPUs read each other's memory ({interconnect})",
+        )
+    return KernelChoice(
+        "all-reduce",
+        "NCCL",
+        "the GPUs cannot read each other's memory (PCIe without peer access), so no "
+        "one-shot all-reduce",
+        fallback=True,
+    )
+
+
+# ---- weights per rank -----------------------------------------------------------------------
+WEIGHT_PARTS = (
+    "attention",
+    "dense MLP",
+    "router",
+    "shared experts",
+    "routed experts",
+    "embedding + lm_head",
+    "norms + buffers",
+)
+
+
+def _part(name: str) -> str:
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp.experts." in name:
+        return "routed experts"
+    if ".mlp.shared_experts." in name:
+        return "shared experts"
+    if ".mlp.gate." in name:
+        return "router"
+    if ".mlp." in name:
+        return "dense MLP"
+    if name.startswith(("model.embed_tokens.", "lm_head.")):
+        return "embedding + lm_head"
+    return "norms + buffers"
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """Bytes one rank holds, by part of the model; `experts_per_rank`: routed experts of one
+    MoE layer on this rank (0: a dense model)."""
+
+    by_part: dict[str, int]
+    experts_per_rank: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_part.values())
+
+
+def _tp_group(rank: int, size: int, expert_parallel: bool) -> Any:
+    from moeserve.dist.parallel import TPGroup
+
+    if expert_parallel and "expert_parallel" not in {f.name for f in fields(TPGroup)}:
+        raise ConfigError("this build's layers do not implement --enable-expert-parallel")
+    kw = {"expert_parallel": True} if expert_parallel else {}
+    return TPGroup(rank, size, None, **kw)
+
+
+def meta_model(
+    cfg: ModelConfig,
+    quant: QuantConfig,
+    dtype: torch.dtype,
+    rank: int = 0,
+    size: int = 1,
+    expert_parallel: bool = False,
+) -> nn.Module:
+    """The model as the engine builds it for `rank` of `size`, on the meta device (shapes and
+    dtypes only, no memory). A layout that does not split evenly is a ConfigError."""
+    from moeserve.models.registry import model_class
+
+    tp = _tp_group(rank, size, expert_parallel)
+    try:
+        with torch.device("meta"):
+            return model_class(cfg.architecture)(cfg, quant, tp, dtype)
+    except ValueError as e:
+        if size > 1:
+            raise ConfigError(f"-tp {size} does not split this model: {e}") from None
+        raise ConfigError(f"the model cannot be built from its config: {e}") from None
+
+
+def rank_weights(model: nn.Module) -> RankWeights:
+    parts = dict.fromkeys(WEIGHT_PARTS, 0)
+    experts = 0
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    for name, t in tensors:
+        parts[_part(name)] += t.numel() * t.element_size()
+        if ".mlp.experts." in name and not experts:
+            experts = t.shape[0]
+    return RankWeights(parts, experts)
+
+
+def weights_per_gpu(
+    cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, tp: int, ep: bool
+) -> tuple[RankWeights, nn.Module]:
+    """The largest rank's weights, and rank 0's meta model. Ranks are identical unless
+    expert parallelism leaves an uneven number of experts per rank; then every rank is
+    built."""
+    model = meta_model(cfg, quant, dtype, 0, tp, ep)
+    best = rank_weights(model)
+    if ep and cfg.n_routed_experts % tp:
+        for r in range(1, tp):
+            w = rank_weights(meta_model(cfg, quant, dtype, r, tp, ep))
+            best = w if w.total > best.total else best
+    return best, model
+
+
+# ---- activations and graphs (estimates; the engine measures) -------------------------------
+def activation_estimate(
+    cfg: ModelConfig,
+    tp: int,
+    tokens: int,
+    logit_rows: int,
+    context: int,
+    act_bytes: int,
+    expert_parallel: bool = False,
+) -> int:
+    """Peak bytes of one eager step of `tokens` tokens on one rank, `context` cached tokens
+    attended (the engine profiles one prefill from position 0: context = tokens):
+
+      residual stream  tokens x hidden x 6 buffers
+      attention        tokens x (q + latent row) + context x (kv_b keys/values + full keys),
+                       per-rank heads, + the scores heads/tp x tokens x context in fp32
+                       (the bound of SDPA's math path)
+      MLP              the larger of the dense MLP (tokens x 3 x intermediate/tp) and the MoE
+                       (tokens x top_k x (2 x moe_intermediate/tp + hidden), plus the fp32
+                       router scores tokens x experts x 2)
+      logits           logit_rows x vocab x 4 B x (1/tp + 2): this rank's slice, the gathered
+                       copy and the sampler's probabilities
+    in the activation dtype except where fp32 is said. Long-context chunked prefill expands
+    the whole cached context and is not covered (the engine's profile does not cover it
+    either)."""
+    h = cfg.hidden_size
+    heads = cfg.num_attention_heads // tp
+    hidden = HIDDEN_STREAM_BUFFERS * tokens * h * act_bytes
+    if cfg.is_mla:
+        per_token = heads * cfg.qk_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        per_ctx = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim + cfg.qk_head_dim)
+    else:
+        kv_heads = max(1, cfg.num_key_value_heads // tp)
+        per_token = (heads + 2 * kv_heads) * cfg.head_dim
+        per_ctx = 2 * heads * cfg.head_dim  # keys/values expanded to the query heads
+    scores = heads * tokens * context * FP32_BYTES
+    attention = (tokens * per_token + context * per_ctx) * act_bytes + scores
+    mlp = 3 * tokens * (cfg.intermediate_size // tp) * act_bytes
+    if cfg.n_routed_experts:
+        inter = cfg.moe_intermediate_size if expert_parallel else cfg.moe_intermediate_size // tp
+        routed = tokens * cfg.num_experts_per_tok * (2 * inter + h) * act_bytes
+        router = 2 * tokens * cfg.n_routed_experts * FP32_BYTES
+        mlp = max(mlp, routed + router)
+    logits = int(logit_rows * cfg.vocab_size * FP32_BYTES * (1 / tp + LOGIT_COPIES))
+    return hidden + attention + mlp + logits
+
+
+def absorbed_weight_bytes(model: nn.Module, act_dtype: torch.dtype) -> int:
+    """Decode's dense copy of kv_b_proj (MLA layers whose kv_b_proj is stored quantized or in
+    another dtype), made once when CUDA graphs are prepared."""
+    total = 0
+    for layer in model.modules():
+        kv_b = getattr(layer, "kv_b_proj", None)
+        if kv_b is None:
+            continue
+        plain = isinstance(kv_b.method, UnquantizedLinearMethod)
+        if plain and kv_b.weight.dtype == act_dtype:
+            continue  # the weight itself is used
+        total += kv_b.local_output * kv_b.local_input * act_dtype.itemsize
+    return total
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    path: str
+    gpu: GpuSpec
+    num_gpus: int
+    tp: int
+    expert_parallel: bool
+    model_cfg: ModelConfig
+    quant_name: str
+    quant_source: str
+    act_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    weights: RankWeights
+    memory: MemoryPlan
+    max_model_len: int
+    model_len: int
+    choices: list[KernelChoice]
+    kv_need_tokens: int  # what the KV cache must hold for the deployment to fit
+    index_total: int | None  # a safetensors index's total_size (all ranks, as stored)
+
+    @property
+    def hosts(self) -> int:
+        return -(-self.tp // GPUS_PER_HOST)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.budget_bytes >= self.kv_need_tokens * self.memory.kv_bytes_per_token
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    from moeserve.loader.base import LoadError
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        if os.path.isfile(path) and path.endswith(".gguf"):
+            raise LoadError("moeserve plan reads an HF checkpoint folder; GGUF is not planned")
+        raise LoadError(f"{path} has no config.json")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(f"{cfg_path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise LoadError(f"{cfg_path} does not hold a JSON object")
+    return raw
+
+
+def _index_total(path: str) -> int | None:
+    from moeserve.loader.safetensors import INDEX_FILE
+
+    try:
+        with open(os.path.join(path, INDEX_FILE)) as f:
+            total = json.load(f).get("metadata", {}).get("total_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(total) if isinstance(total, int | float) else None
+
+
+def load_model_description(path: str) -> tuple[ModelConfig, QuantConfig, str, str | None]:
+    """(model config, quant config, where the quant config came from, KV algo) of a folder."""
+    from moeserve.layers.quant.parse import (
+        MODELOPT_FILE,
+        QuantConfigError,
+        quant_config_from_checkpoint,
+        read_checkpoint_quant,
+    )
+
+    raw = _read_config(path)
+    try:
+        cfg = ModelConfig.from_hf(raw)
+        quant = quant_config_from_checkpoint(path, raw)
+        ckq = read_checkpoint_quant(path, raw)
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"config.json lacks or mistypes a field the model needs: {e}") from None
+    if ckq.method == "none":
+        source = "none (unquantized)"
+    elif os.path.exists(os.path.join(path, MODELOPT_FILE)):
+        source = MODELOPT_FILE
+    else:
+        source = "config.json quantization_config"
+    return cfg, quant, source, ckq.kv_cache_quant_algo
+
+
+def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig) -> Plan:
+    """The plan of serving the checkpoint at `path` with `engine`'s settings on `num_gpus`
+    GPUs of kind `gpu` (tensor parallel size: engine.parallel.tensor_parallel_size)."""
+    from moeserve.loader.safetensors import resolve_kv_cache_dtype
+
+    cfg, quant, source, kv_algo = load_model_description(path)
+    if engine.load.num_layers is not None:
+        cfg = cfg.with_layers(engine.load.num_layers)
+    tp = engine.parallel.tensor_parallel_size
+    ep = engine.parallel.enable_expert_parallel
+    if tp > num_gpus:
+        raise ConfigError(f"-tp {tp} needs {tp} GPUs but --num-gpus is {num_gpus}")
+    act_dtype = parse_dtype(engine.load.dtype, cfg.dtype, "cuda")
+    weights, model = weights_per_gpu(cfg, quant, act_dtype, tp, ep)
+    wanted = resolve_kv_cache_dtype(engine.cache.kv_cache_dtype, kv_algo, act_dtype)
+    kv_dtype = effective_kv_cache_dtype(wanted, gpu.capability)[0]
+    hosts = -(-tp // GPUS_PER_HOST)
+    choices = kernel_choices(
+        cfg,
+        quant,
+        gpu.capability,
+        wanted,
+        gpu.interconnect,
+        tp_size=tp,
+        hosts=hosts,
+        all_reduce=engine.parallel.all_reduce,
+        enforce_eager=engine.enforce_eager,
+    )
+    per_token = sum(layer.kv_cache_bytes_per_token(kv_dtype) for layer in model.attention_layers())
+    sched = engine.scheduler
+    tokens = sched.max_num_batched_tokens
+    act = activation_estimate(
+        cfg, tp, tokens, min(tokens, sched.max_num_seqs), tokens, act_dtype.itemsize, ep
+    )
+    graphs_on = any(c.what == "CUDA graphs" and c.choice == "decode replayed" for c in choices)
+    graph = 0
+    if graphs_on:
+        batch = engine.graph_max_batch("cuda")
+        graph = activation_estimate(cfg, tp, batch, batch, 0, act_dtype.itemsize, ep)
+        graph += absorbed_weight_bytes(model, act_dtype)
+    other = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if tp > 1 else 0)
+    total = gpu.memory_bytes
+    util = engine.cache.gpu_memory_utilization
+    model_len = sched.max_model_len or cfg.max_position_embeddings
+    memory = plan_kv_pages(
+        budget_bytes=int(total * util) - other - weights.total - act - graph,
+        kv_bytes_per_token=per_token,
+        page_size=engine.cache.page_size,
+        want_tokens=sched.max_num_seqs * model_len,
+        num_pages=engine.cache.num_pages,
+        total_bytes=total,
+        utilization=util,
+        weights_bytes=weights.total,
+        activation_bytes=act,
+        graph_bytes=graph,
+        other_bytes=other,
+    )
+    # fits: the KV cache holds the pages asked for, else one --max-model-len sequence (or
+    # one page when the context is left to what fits)
+    page = engine.cache.page_size
+    if engine.cache.num_pages is not None:
+        need = engine.cache.num_pages * page
+    else:
+        need = -(-(sched.max_model_len or page) // page) * page
+    return Plan(
+        path=path,
+        gpu=gpu,
+        num_gpus=num_gpus,
+        tp=tp,
+        expert_parallel=ep,
+        model_cfg=cfg,
+        quant_name=quant.name,
+        quant_source=source,
+        act_dtype=act_dtype,
+        kv_dtype=kv_dtype,
+        weights=weights,
+        memory=memory,
+        max_model_len=min(model_len, memory.kv_tokens),
+        model_len=model_len,
+        choices=choices,
+        kv_need_tokens=need,
+        index_total=_index_total(path),
+    )
+
+
+def smallest_fitting_tp(path: str, gpu: GpuSpec, engine: EngineConfig) -> int | None:
+    """The smallest tensor-parallel size above the engine's that fits (None: none up to
+    MAX_SUGGESTED_TP). Sizes that do not split the model evenly are skipped."""
+    heads = load_model_description(path)[0].num_attention_heads
+    start = engine.parallel.tensor_parallel_size + 1
+    for tp in range(start, MAX_SUGGESTED_TP + 1):
+        if heads % tp:
+            continue
+        parallel = replace(engine.parallel, tensor_parallel_size=tp)
+        try:
+            plan = plan_deployment(path, gpu, tp, replace(engine, parallel=parallel))
+        except ConfigError:
+            continue
+        if plan.fits:
+            return tp
+    return None
+
+
+# ---- output -----------------------------------------------------------------------------------
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def format_plan(plan: Plan, suggestion: int | None = None) -> str:
+    cfg = plan.model_cfg
+    kind = "MoE" if cfg.n_routed_experts else "dense"
+    lines = [
+        f"moeserve plan: {plan.path} on {plan.num_gpus} x {plan.gpu.key} ({plan.gpu.describe()})",
+        f"model: {cfg.architecture} ({kind}, {cfg.num_hidden_layers} layers, vocab "
+        f"{cfg.vocab_size:,}), weights {plan.quant_name} (quant config: {plan.quant_source}), "
+        f"compute {_dtype(plan.act_dtype)}",
+        f"parallel: -tp {plan.tp}"
+        + (" --enable-expert-parallel" if plan.expert_parallel else "")
+        + (f" over {plan.hosts} hosts of {GPUS_PER_HOST}" if plan.hosts > 1 else "")
+        + (f" ({plan.num_gpus - plan.tp} GPUs unused)" if plan.num_gpus > plan.tp else ""),
+    ]
+    if cfg.n_routed_experts:
+        if plan.expert_parallel:
+            how = "whole experts (expert parallel)"
+        else:
+            inter = cfg.moe_intermediate_size // plan.tp
+            how = f"each split to {inter} of {cfg.moe_intermediate_size} intermediate rows"
+        lines.append(
+            f"routed experts per GPU: {plan.weights.experts_per_rank} of "
+            f"{cfg.n_routed_experts} per MoE layer, {how}"
+        )
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.weights.by_part.items() if v)
+    lines.append(f"weights per GPU: {_gib(plan.weights.total)} ({parts})")
+    if plan.index_total is not None:
+        lines.append(
+            f"safetensors index: {_gib(plan.index_total)} stored for all ranks (includes what "
+            "the server skips: vision tower, MTP layers)"
+        )
+    layers = cfg.num_hidden_layers
+    if cfg.is_mla:
+        how = (
+            f"{layers} layers x ({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}) x "
+            f"{plan.kv_dtype.itemsize} B; the latent is replicated on every rank"
+        )
+    else:
+        how = f"{layers} layers, K and V of this rank's KV heads"
+    lines.append(
+        f"KV cache: {_dtype(plan.kv_dtype)}, {plan.memory.kv_bytes_per_token:,} B/token per GPU "
+        f"({how})"
+    )
+    memory = plan.memory if plan.fits else plan.memory.with_pages(0)
+    max_len = plan.max_model_len if plan.fits else 0
+    title = "memory plan per GPU (estimated, no GPU here)"
+    lines.append(format_memory_table(memory, max_len, title=title))
+    if plan.fits:
+        full = memory.kv_tokens // max(1, plan.model_len)
+        lines.append(
+            f"max context: {max_len:,} tokens (the model's {plan.model_len:,}); the KV cache "
+            f"holds {full:,} full-length sequence(s)"
+        )
+    lines.append(
+        "estimates: activations = one prefill of --max-num-batched-tokens (residual stream, "
+        "attention, MLP, logits; moeserve.plan.activation_estimate), CUDA graphs = one decode "
+        f"step of the largest graph batch, other = {CUDA_CONTEXT_BYTES // MIB} MiB CUDA context"
+        + (f" + {COMM_BUFFER_BYTES // MIB} MiB communication buffers" if plan.tp > 1 else "")
+    )
+    lines.append(f"kernels on {plan.gpu.key} ({plan.gpu.sm}):")
+    width = max(len(c.what) for c in plan.choices)
+    lines += [c.line(width) for c in plan.choices]
+    n_fallbacks = sum(c.fallback for c in plan.choices)
+    lines.append(f"fallbacks: {n_fallbacks}")
+    if not plan.fits:
+        m = plan.memory
+        rest = m.activation_bytes + m.graph_bytes + m.other_bytes
+        budget = int(m.total_bytes * m.utilization)
+        lines.append(
+            f"does not fit: weights {_gib(m.weights_bytes)} + activations, graphs and other "
+            f"{_gib(rest)} of a budget of {_gib(budget)} per GPU ({m.utilization:.0%} of "
+            f"{_gib(m.total_bytes)}) leave {_gib(budget - m.weights_bytes - rest)} for the KV "
+            f"cache; it needs {_gib(plan.kv_need_tokens * m.kv_bytes_per_token)} "
+            f"({plan.kv_need_tokens:,} tokens)"
+        )
+        if suggestion is None:
+            lines.append(f"smallest that fits: none up to -tp {MAX_SUGGESTED_TP}")
+        else:
+            hosts = -(-suggestion // GPUS_PER_HOST)
+            where = f", {hosts} hosts of {GPUS_PER_HOST}" if hosts > 1 else ""
+            lines.append(f"smallest that fits: -tp {suggestion} --num-gpus {suggestion}{where}")
+    return "\n".join(lines)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        help="an HF checkpoint folder: config.json (+ hf_quant_config.json, safetensors index); "
+        "no weights needed",
+    )
+    parser.add_argument("--gpu", required=True, choices=sorted(GPUS), help="GPU kind to plan for")
+    parser.add_argument(
+        "--num-gpus", type=int, default=None, help="GPUs available (default: the -tp size)"
+    )
+    add_config_arguments(parser, EngineConfig)
+    # -tp defaults to --num-gpus here: the usual deployment uses every GPU
+    parser.set_defaults(tensor_parallel_size=None)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    gpu = gpu_spec(args.gpu)
+    if args.num_gpus is not None and args.num_gpus < 1:
+        raise ConfigError(f"--num-gpus must be at least 1, got {args.num_gpus}")
+    tp = args.tensor_parallel_size or args.num_gpus or 1
+    num_gpus = args.num_gpus or tp
+    flat = argparse.Namespace(**{**vars(args), "tensor_parallel_size": tp})
+    engine = config_from_args(EngineConfig, flat)
+    with quiet_logs():  # the plan itself says what the layers would log while being built
+        plan = plan_deployment(args.model, gpu, num_gpus, engine)
+        suggestion = None if plan.fits else smallest_fitting_tp(args.model, gpu, engine)
+    print(format_plan(plan, suggestion))
+    return 0 if plan.fits else 1
+
+
+@contextlib.contextmanager
+def quiet_logs() -> Iterator[None]:
+    logger = logging.getLogger("moeserve")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
