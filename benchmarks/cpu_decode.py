@@ -257,8 +257,12 @@ def main() -> None:
     lengths = [int(x) for x in args.prefill_lengths.split(",") if x]
     prefill = bench_prefill(lengths, args.prefill_repeats, not args.skip_hf) if lengths else []
     determinism = bench_deterministic(64, 2)
-    if args.skip_decode:
-        _write(args, [], prefill, determinism)
+    if args.skip_decode:  # keep the decode rows of the last full run
+        last = RESULTS / "cpu_decode.json"
+        rows = json.loads(last.read_text()).get("rows", []) if last.exists() else []
+        for r in rows:
+            r.setdefault("note", "decode row from the previous full run")
+        _write(args, rows, prefill, determinism)
         return
     rows = []
     configs = {

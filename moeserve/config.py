@@ -410,11 +410,11 @@ class LoadConfig(_Settings):
     device: str | None = setting(None, "cpu or cuda[:N] (default: cuda if present)")
     seed: int = setting(0, "seed of the default random generators and of dummy weights")
     threads: int | None = setting(None, "CPU threads for torch", minimum=1)
-    deterministic: bool | None = setting(
-        None,
-        "batch-invariant attention (Llama path): a greedy request gives the same tokens alone "
-        "or batched (default: on for CPUs, where it costs little; see benchmarks/results/"
-        "cpu_decode.md)",
+    deterministic: bool = setting(
+        False,
+        "batch-invariant attention (Llama path): a greedy request gives the same tokens alone, "
+        "batched, chunked or after a prefix-cache hit; costs decode and prefill speed (see "
+        "benchmarks/results/cpu_decode.md)",
     )
 
 
@@ -514,6 +514,13 @@ class EngineConfig(_Settings):
         minimum=1,
     )
 
+    overlap_schedule: bool | None = setting(
+        None,
+        "while the GPU runs step N, schedule and launch step N+1 and process step N's outputs "
+        "(batches of plain greedy requests; their next input token stays on the GPU) "
+        "(default: on for GPUs)",
+        negate="--no-overlap-schedule",
+    )
     profile_decode: int = setting(
         0,
         "profile N decode steps once decoding runs, print where the step time goes by "

@@ -74,6 +74,17 @@ class _StepPlan:
     prompt: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # i -> (row, start, n)
 
 
+@dataclass
+class _Inflight:
+    """An overlapped step: launched, its greedy tokens on their way to `host`."""
+
+    batch: ScheduledBatch
+    plan: _StepPlan
+    host: torch.Tensor  # int64 [len(plan.sample)] pinned, filled when `event` completes
+    event: torch.cuda.Event | None
+    slot_of: dict[str, int]  # request id -> its row in the step's sampled tokens
+
+
 class LLMEngine:
     """Scheduler, page allocator and sampler (rank 0) over an `Executor` that runs steps on
     one or more ranks."""
@@ -97,16 +108,24 @@ class LLMEngine:
             else None
         )
         # ids a request may name or receive: the tokenizer's (the LM head may be padded)
-        self.vocab_limit = min(
-            self.loaded.config.vocab_size,
-            getattr(self.tokenizer, "vocab_size", None) or self.loaded.config.vocab_size,
-        )
+        self.vocab_limit = self.runner.vocab_limit
         self.sampler = Sampler(self.vocab_limit, tuple(sorted(self.eos_ids)))
         self.metrics = EngineMetrics()
         self.live: dict[str, _Live] = {}
         # requests that failed alone in the last steps: (request id, error); the caller takes
         # them (`take_failures`) and fails those requests' streams
         self.failures: list[tuple[str, Exception]] = []
+        overlap = config.overlap_schedule
+        self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        self._inflight: _Inflight | None = None
+        # two buffers: a step's tokens land in one while the host still reads the other's
+        self._host_ids = torch.empty(
+            2,
+            config.scheduler.max_num_seqs,
+            dtype=torch.int64,
+            pin_memory=self.runner.device.type == "cuda",
+        )
+        self._host_turn = 0
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
@@ -169,7 +188,9 @@ class LLMEngine:
         self.executor.shutdown()
 
     # ---- one step ------------------------------------------------------------------------------
-    def _build_step(self, batch: ScheduledBatch) -> tuple[StepInput, _StepPlan]:
+    def _build_step(
+        self, batch: ScheduledBatch, prev: _Inflight | None = None
+    ) -> tuple[StepInput, _StepPlan]:
         """The step's inputs, single-token sequences first (the attention backends' order),
         and where each sequence's logits rows are. Host work grows with the step's new
         tokens and pages, not with the sequences' lengths."""
@@ -181,7 +202,10 @@ class LLMEngine:
             req, n = batch.requests[i], batch.num_tokens[i]
             start = req.num_computed
             t0 = len(step.ids)
-            step.ids.extend(req.token_slice(start, start + n))
+            known = req.token_slice(start, min(start + n, req.num_tokens))
+            step.ids.extend(known)
+            if len(known) < n:  # its last token is still on the GPU: a placeholder
+                step.ids.append(-1 - prev.slot_of[req.request_id])
             step.positions.extend(range(start, start + n))
             row = self.rows.row(req.request_id)
             self.rows.updates(row, req.pages, step.page_updates)
@@ -193,7 +217,7 @@ class LLMEngine:
                 count = min(start + n, len(req.prompt_ids) - 1) - start
                 plan.prompt[i] = (len(step.logit_rows), start, max(0, count))
                 step.logit_rows.extend(range(t0, t0 + max(0, count)))
-            if batch.samples(i) and len(req.output_ids) < req.max_tokens:
+            if batch.samples(i) and len(req.output_ids) + req.pending < req.max_tokens:
                 plan.sample[i] = len(step.logit_rows)
                 step.logit_rows.append(t0 + n - 1)
         return step, plan
@@ -201,25 +225,38 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t_entry = time.perf_counter()
         outputs: list[RequestOutput] = []
+        prev, self._inflight = self._inflight, None
         # max_tokens == 0 (prompt logprobs only) still needs its prefill; others finish here
         batch = self.scheduler.schedule()
         for req in batch.preempted:
             self.rows.release(req.request_id)
         self.metrics.on_preempt(len(batch.preempted))
         if batch.empty:
-            return outputs
+            return self._complete(prev) if prev is not None else outputs
         t0 = time.perf_counter()
-        step, plan = self._build_step(batch)
+        step, plan = self._build_step(batch, prev)
+        step.greedy = self.overlap and self._overlappable(batch)
         t_exec = time.perf_counter()
         logits = self.executor.execute(step)
         t_exec = time.perf_counter() - t_exec
+        if step.greedy:  # step N+1 is queued: now the host handles step N's outputs
+            self._inflight = self._launch_copy(batch, plan, t0)
+            if prev is not None:
+                outputs = self._complete(prev)
+            if self.profiler is not None and self.profiler.active and step.is_decode_only:
+                self._profile_step(step, time.perf_counter() - t_entry, t_exec)
+            return outputs
+        if prev is not None:  # its tokens are this step's history (penalties, stop checks)
+            outputs = self._complete(prev)
         failed: dict[int, Exception] = {}
         tokens, lps = self._sample(batch, plan, logits, failed)
         prompt_lps = self._prompt_logprobs(batch, plan, logits, failed)
         self.scheduler.after_step(batch)
         self.metrics.on_step(time.perf_counter() - t0, sum(batch.num_tokens))
         for i, req in enumerate(batch.requests):
-            live = self.live[req.request_id]
+            live = self.live.get(req.request_id)
+            if live is None or req.finished:
+                continue  # it ended with the previous (overlapped) step's token
             if i in failed:
                 self._fail(live, failed[i])
                 continue
@@ -236,15 +273,76 @@ class LLMEngine:
             self._profile_step(step, time.perf_counter() - t_entry, t_exec)
         return outputs
 
+    # ---- overlap scheduling ------------------------------------------------------------------
+    def _overlappable(self, batch: ScheduledBatch) -> bool:
+        """Whether the batch's tokens may stay on the GPU until the next step is queued: every
+        request greedy with no per-token host work before its next step (logprobs,
+        penalties, bias, min_tokens), and room for two more tokens (a request that ends
+        with this step's token may compute one more, which is dropped)."""
+        for req in batch.requests:
+            p = req.params
+            if not p.greedy or p.logprobs is not None or p.prompt_logprobs is not None:
+                return False
+            if p.needs_penalties or getattr(p, "logit_bias", None) or p.min_tokens:
+                return False
+            ahead = req.pending + 2
+            if req.num_tokens + ahead > self.max_model_len:
+                return False
+            if len(req.output_ids) + ahead > req.max_tokens:
+                return False
+        return True
+
+    def _launch_copy(self, batch: ScheduledBatch, plan: _StepPlan, t0: float) -> _Inflight:
+        """Account the launched step (its sampled tokens are pending) and queue the copy of
+        those tokens to the host."""
+        self.scheduler.after_step(batch)
+        slot_of = {}
+        for i, j in plan.sample.items():
+            req = batch.requests[i]
+            req.pending += 1
+            slot_of[req.request_id] = j
+        k = len(plan.sample)
+        self._host_turn ^= 1
+        host = self._host_ids[self._host_turn, :k]
+        host.copy_(self.runner.last_sampled[:k], non_blocking=True)
+        event = None
+        if self.runner.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.metrics.on_step(time.perf_counter() - t0, sum(batch.num_tokens))
+        return _Inflight(batch, plan, host, event, slot_of)
+
+    def _complete(self, done: _Inflight) -> list[RequestOutput]:
+        """The outputs of an overlapped step, once its tokens reached the host."""
+        if done.event is not None:
+            done.event.synchronize()
+        tokens = done.host.tolist()
+        outputs = []
+        for i, j in done.plan.sample.items():
+            req = done.batch.requests[i]
+            req.pending -= 1
+            live = self.live.get(req.request_id)
+            if live is None or req.finished:
+                continue  # aborted, or ended with an earlier token: this one is dropped
+            try:  # (a request preempted since gets its token too: it is recomputed later)
+                out = self._append_token(live, tokens[j], None)
+            except Exception as e:
+                if is_device_error(e):
+                    raise
+                self._fail(live, e)
+                continue
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
     def _profile_step(self, step: StepInput, seconds: float, forward_seconds: float) -> None:
         """--profile-decode: count this served decode step; after N, the labelled eager
         rerun of this step (idempotent: same cache rows) and the table."""
         prof = self.profiler
         prof.record(len(step.rows), seconds, forward_seconds)
         if prof.done_timing():
-            result = prof.finish(
-                self.runner.model, lambda: self.executor.execute(replace(step, eager=True))
-            )
+            rerun = replace(step, eager=True, greedy=False)  # leaves the sampled tokens be
+            result = prof.finish(self.runner.model, lambda: self.executor.execute(rerun))
             log.warning("%s", result.table())
 
     def _emit(
@@ -445,6 +543,7 @@ def build_rank(cfg: EngineConfig, tp: TPGroup, device: str) -> ModelRunner:
     dtype = parse_dtype(cfg.load.dtype, torch.float32, device)
     if tp.size > 1:
         tp = _with_communicator(cfg, tp, device, dtype)
+    t0 = time.perf_counter()
     loaded = load_model(
         cfg.model,
         dtype,
@@ -457,6 +556,9 @@ def build_rank(cfg: EngineConfig, tp: TPGroup, device: str) -> ModelRunner:
         seed=cfg.load.seed,
         deterministic=cfg.load.deterministic,
     )
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    loaded = replace(loaded, load_seconds=time.perf_counter() - t0)
     return ModelRunner(cfg, loaded, device, tp)
 
 

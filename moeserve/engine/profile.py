@@ -171,24 +171,97 @@ def _scope_chain(e) -> list[str]:
     return out
 
 
-def _self_time_us(e, cuda: bool) -> float:
-    if cuda:
-        return float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+@dataclass(frozen=True)
+class Span:
+    """A labelled scope (host clock, ns)."""
+
+    label: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A GPU kernel: its name, duration (us) and when the host launched it (host clock, ns)."""
+
+    name: str
+    us: float
+    launched: int
+
+
+def attribute_kernels(
+    spans: list[Span], kernels: list[Kernel]
+) -> tuple[dict[str, float], int, dict[str, int]]:
+    """(time by component in ms, kernels, kernels per decoder layer): each kernel belongs to
+    the scopes open when the host launched it (innermost first). Works for every launcher
+    (torch ops, cuBLAS, Triton's own C launcher), unlike op-to-kernel links."""
+    spans = sorted(spans, key=lambda s: s.start)
+    comp: dict[str, float] = {}
+    layers: Counter[str] = Counter()
+    count = 0
+    for k in kernels:
+        chain = [s.label for s in spans if s.start <= k.launched <= s.end]
+        if not chain:
+            continue  # launched outside the forward
+        chain.reverse()  # sorted by start: the innermost opened last
+        comps = [c for c in chain if not c.startswith("layer.")]
+        scope = comps[0] if comps else None
+        parent = comps[1] if len(comps) > 1 else None
+        c = component_of(scope, k.name, parent)
+        comp[c] = comp.get(c, 0.0) + k.us / 1000
+        count += 1
+        layer = next((s for s in chain if s.startswith("layer.")), None)
+        if layer is not None:
+            layers[layer[len("layer.") :]] += 1
+    return comp, count, dict(layers)
+
+
+_LAUNCHES = ("LaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "LaunchCooperativeKernel")
+
+
+def kineto_spans_and_kernels(prof: profile) -> tuple[list[Span], list[Kernel]]:
+    """Labelled scopes and GPU kernels (with their host launch times) of a CUDA trace,
+    joined through the launch call's correlation id."""
+    events = prof.profiler.kineto_results.events()
+    launched: dict[int, int] = {}
+    spans: list[Span] = []
+    gpu = []
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CUDA:
+            gpu.append(e)
+        elif e.name().startswith(LABEL):
+            spans.append(Span(e.name()[len(LABEL) :], e.start_ns(), e.end_ns()))
+        elif any(n in e.name() for n in _LAUNCHES):
+            launched[e.correlation_id()] = e.start_ns()
+    kernels = []
+    for e in gpu:
+        name = e.name()
+        if name.startswith(("Memcpy", "Memset")) or "memcpy" in name.lower():
+            continue
+        t = launched.get(e.correlation_id(), launched.get(e.linked_correlation_id()))
+        if t is not None:
+            kernels.append(Kernel(name, e.duration_ns() / 1000, t))
+    return spans, kernels
+
+
+def _self_time_us(e) -> float:
     return float(e.self_cpu_time_total)
 
 
 def attribute(prof: profile, cuda: bool) -> tuple[dict[str, float], int, dict[str, int]]:
     """(time by component in ms, kernels or ops, kernels or ops per decoder layer) of a
-    labelled pass."""
+    labelled pass: GPU kernels by the scopes open at their launch; CPU ops by their own
+    self time in the scopes enclosing them."""
+    if cuda:
+        return attribute_kernels(*kineto_spans_and_kernels(prof))
     comp: dict[str, float] = {}
     layers: Counter[str] = Counter()
     count = 0
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CPU or e.name.startswith(LABEL):
             continue
-        t = _self_time_us(e, cuda)
-        n = len(getattr(e, "kernels", []) or []) if cuda else (1 if t > 0 else 0)
-        if cuda and not n:
+        t = _self_time_us(e)
+        if t <= 0:
             continue
         chain = _scope_chain(e)
         if not chain:
@@ -196,13 +269,12 @@ def attribute(prof: profile, cuda: bool) -> tuple[dict[str, float], int, dict[st
         comps = [c for c in chain if not c.startswith("layer.")]
         scope = comps[0] if comps else None
         parent = comps[1] if len(comps) > 1 else None
-        name = (e.kernels[0].name if cuda and e.kernels else e.name) or e.name
-        c = component_of(scope, name, parent)
+        c = component_of(scope, e.name, parent)
         comp[c] = comp.get(c, 0.0) + t / 1000
-        count += n
+        count += 1
         layer = next((s for s in chain if s.startswith("layer.")), None)
         if layer is not None:
-            layers[layer[len("layer.") :]] += n
+            layers[layer[len("layer.") :]] += 1
     return comp, count, dict(layers)
 
 

@@ -28,6 +28,9 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    # tokens sampled on the device but not yet seen by the host (overlap scheduling: the next
+    # step reads them where they are); counted by the scheduler as tokens to compute
+    pending: int = 0
     # prefix-cache hashing progress: full pages hashed so far and the last one's hash
     hashed_pages: int = 0
     last_hash: bytes | None = None
@@ -54,7 +57,7 @@ class Request:
 
     @property
     def num_to_compute(self) -> int:
-        return self.num_tokens - self.num_computed
+        return self.num_tokens + self.pending - self.num_computed
 
     @property
     def finished(self) -> bool:

@@ -56,6 +56,14 @@ class ModelRunner:
         self.page_size = config.cache.page_size
         self.kv_dtype = loaded.kv_cache_dtype
         self.vocab_size = loaded.config.vocab_size
+        # ids that may be sampled: the tokenizer's (DeepSeek/Kimi pad the LM head beyond it)
+        self.vocab_limit = min(
+            self.vocab_size, getattr(loaded.tokenizer, "vocab_size", None) or self.vocab_size
+        )
+        # greedy tokens of the last step with `greedy` set (overlap scheduling), and of the
+        # step before it (what a profiling rerun of the last step resolves its ids from)
+        self.last_sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._prev_sampled = self.last_sampled
         model_len = config.scheduler.max_model_len or loaded.config.max_position_embeddings
         self.max_rows = config.scheduler.max_num_seqs
         self.graphs: DecodeGraphs | None = None
@@ -67,6 +75,10 @@ class ModelRunner:
         # row max_rows is the padding row of graph replays: all zeros, never written
         self.block_table = torch.zeros(
             self.max_rows + 1, self.max_pages_per_seq, dtype=torch.int32, device=self.device
+        )
+        # a decode batch's query starts (0, 1, 2, ...): static, so graphs copy nothing in
+        self._decode_query_start = torch.arange(
+            self.max_rows + 1, dtype=torch.int32, device=self.device
         )
         self.graph_status = ""  # one line for the start-up banner ("" on a CPU)
         if self.device.type == "cuda":
@@ -246,6 +258,7 @@ class ModelRunner:
         query_lens: list[int],
         seq_lens_host: list[int],
         table_width: int,
+        query_start: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """Attention metadata on the device from the persistent page table: each sequence's
         table row, and each token's cache slot (negative for padding: seq_len 0)."""
@@ -262,14 +275,16 @@ class ModelRunner:
         slots = page * ps + positions % ps
         if valid is not None:
             slots = torch.where(valid, slots, PAD_SLOT)
-        qstart = [0]
-        for q in query_lens:
-            qstart.append(qstart[-1] + q)
+        if query_start is None:
+            qstart = [0]
+            for q in query_lens:
+                qstart.append(qstart[-1] + q)
+            query_start = torch.tensor(qstart, dtype=torch.int32, device=self.device)
         return AttentionMetadata(
             slot_mapping=slots,
             block_tables=tables,
             seq_lens=seq_lens.to(torch.int32),
-            query_start=torch.tensor(qstart, dtype=torch.int32, device=self.device),
+            query_start=query_start,
             page_size=ps,
             seq_lens_host=seq_lens_host,
             query_lens_host=query_lens,
@@ -280,7 +295,15 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The captured decode forward: metadata from the page table, then the model."""
         b = ids.shape[0]
-        md = self.metadata(positions, rows, seq_lens, [1] * b, [1] * b, self.max_pages_per_seq)
+        md = self.metadata(
+            positions,
+            rows,
+            seq_lens,
+            [1] * b,
+            [1] * b,
+            self.max_pages_per_seq,
+            query_start=self._decode_query_start[: b + 1],
+        )
         return self.model(ids, positions, ForwardContext(md))
 
     @torch.inference_mode()
@@ -289,6 +312,10 @@ class ModelRunner:
         the LM head is vocab-parallel), or None when no row needs logits."""
         self._apply_page_updates(step.page_updates)
         st = self._tensors(step)
+        if step.ids and min(step.ids) < 0:  # placeholders: tokens the last step sampled
+            src = self._prev_sampled if step.eager else self.last_sampled
+            idx = (-st.ids - 1).clamp_(0, src.numel() - 1)
+            st.ids.copy_(torch.where(st.ids < 0, src.index_select(0, idx), st.ids))
         g = self.graphs
         if g is not None and not step.eager and step.is_decode_only and g.can_run(len(step.rows)):
             hidden = g.run(st.packed[: 4 * len(step.rows)].view(4, -1))
@@ -300,7 +327,11 @@ class ModelRunner:
             hidden = self.model(st.ids, st.positions, ForwardContext(md))
         if not step.logit_rows:
             return None
-        return self.model.compute_logits(hidden.index_select(0, st.logit_rows))
+        logits = self.model.compute_logits(hidden.index_select(0, st.logit_rows))
+        if step.greedy and not step.eager:
+            self._prev_sampled = self.last_sampled
+            self.last_sampled = logits[:, : self.vocab_limit].argmax(dim=-1)
+        return logits
 
 
 def _available_ram() -> int:

@@ -30,7 +30,7 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Whether request i reaches the end of its known tokens this step (so it samples)."""
         r = self.requests[i]
-        return r.num_computed + self.num_tokens[i] == r.num_tokens
+        return r.num_computed + self.num_tokens[i] == r.num_tokens + r.pending
 
 
 class Scheduler:
@@ -130,6 +130,7 @@ class Scheduler:
         page hashed once: host work per step follows the new tokens, not the context)."""
         for req, n in zip(batch.requests, batch.num_tokens, strict=True):
             req.num_computed += n
+            known = min(req.num_computed, req.num_tokens)  # pending tokens are not known yet
             req.hashed_pages, req.last_hash = self.alloc.register_full_pages(
-                req.pages, req.token_slice, req.num_computed, req.hashed_pages, req.last_hash
+                req.pages, req.token_slice, known, req.hashed_pages, req.last_hash
             )

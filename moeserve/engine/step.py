@@ -34,6 +34,10 @@ class StepInput:
     page_updates: list[int] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)  # hidden rows whose logits are needed
     eager: bool = False  # run the eager forward even where a CUDA graph would serve (profiling)
+    # overlap scheduling: every logit row is a greedy sampling row; each rank keeps their
+    # argmax on the device for the next step, whose ids may then name them: id -1-j is row
+    # j's token of the previous step (a placeholder)
+    greedy: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -48,7 +52,7 @@ class StepInput:
         page_updates, logit_rows."""
         t, b, p, n = len(self.ids), len(self.rows), len(self.page_updates), len(self.logit_rows)
         out = np.empty(_HEADER + 2 * t + 3 * b + p + n, dtype=np.int64)
-        out[:_HEADER] = (STEP, t, b, p, n, int(self.eager), 0, 0)
+        out[:_HEADER] = (STEP, t, b, p, n, int(self.eager), int(self.greedy), 0)
         o = _HEADER
         for part in (
             self.ids,
@@ -66,7 +70,7 @@ class StepInput:
     @staticmethod
     def unpack(a: np.ndarray) -> StepInput | None:
         """The step in `a`, or None for a stop message."""
-        kind, t, b, p, n, eager = (int(v) for v in a[:6])
+        kind, t, b, p, n, eager, greedy = (int(v) for v in a[:7])
         if kind == STOP:
             return None
         if kind != STEP:
@@ -76,7 +80,7 @@ class StepInput:
         for size in (t, t, b, b, b, p, n):
             parts.append(a[o : o + size].tolist())
             o += size
-        return StepInput(*parts, eager=bool(eager))
+        return StepInput(*parts, eager=bool(eager), greedy=bool(greedy))
 
 
 def stop_message() -> np.ndarray:

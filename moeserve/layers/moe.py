@@ -224,6 +224,10 @@ class ExpertBank(nn.Module):
             )
         return out
 
+    def view(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the scheme, stacked over this rank's experts."""
+        return {s.suffix: getattr(self, s.suffix) for s in self.specs}
+
     def dense(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """[parts * out, in] dense weight of one local expert (CPU path)."""
         parts = [
@@ -285,16 +289,13 @@ class RoutedExperts(nn.Module):
         """NVFP4 on a GPU: one global scale per expert for gate+up (the fused kernel's
         contract), folded in place into the block scales, and the kernel's argument views."""
         self._kernel_args = None
-        dev = getattr(self.w13, self.w13.specs[0].suffix).device
-        if dev.type != "cuda" or not gpu_kernels_enabled(dev):
-            return
-        v13 = self.w13.scheme.nvfp4_view(
-            {s.suffix: self.w13.tensor(s.suffix) for s in self.w13.specs}
-        )
-        v2 = self.w2.scheme.nvfp4_view({s.suffix: self.w2.tensor(s.suffix) for s in self.w2.specs})
+        v13 = self.w13.scheme.nvfp4_view(self.w13.view())
+        v2 = self.w2.scheme.nvfp4_view(self.w2.view())
         if v13 is None or v2 is None:
             return
         (p13, s13, g13), (p2, s2, g2) = v13, v2
+        if p13.device.type != "cuda" or not gpu_kernels_enabled(p13.device):
+            return
         g13 = g13.float().reshape(self.layout.num_local, 2)
         gs = g13.amax(dim=1)
         if not torch.equal(g13[:, 0], g13[:, 1]):
@@ -353,20 +354,37 @@ class RoutedExperts(nn.Module):
 
 
 class Router(nn.Module):
-    """`mlp.gate`: weight [E, H] and (noaux_tc) `e_score_correction_bias` [E], kept in fp32."""
+    """`mlp.gate`: weight [E, H] in the model dtype (the checkpoint stores it in bf16) and
+    (noaux_tc) `e_score_correction_bias` [E] in fp32. Logits are fp32: on GPUs one bf16 GEMM
+    with fp32 output (bf16 products are exact in fp32; only the summation order differs
+    from an fp32 GEMM), elsewhere an fp32 matmul."""
 
-    def __init__(self, num_experts: int, hidden: int, with_bias: bool) -> None:
+    def __init__(self, num_experts: int, hidden: int, with_bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = make_param(torch.zeros(num_experts, hidden), None, None)
+        self.weight = make_param(torch.zeros(num_experts, hidden, dtype=dtype), None, None)
         self.weight.weight_loader = copy_loader
         if with_bias:
             self.e_score_correction_bias = make_param(torch.zeros(num_experts), None, None)
             self.e_score_correction_bias.weight_loader = copy_loader
         else:
             self.e_score_correction_bias = None
+        self._fp32_out = False
+
+    def process_weights_after_loading(self) -> None:
+        """Whether this torch has the bf16 GEMM with fp32 output (mm.dtype, CUDA only)."""
+        w = self.weight
+        self._fp32_out = False
+        if w.is_cuda and w.dtype == torch.bfloat16:
+            try:
+                torch.mm(w[:1], w[:1].t(), out_dtype=torch.float32)
+                self._fp32_out = True
+            except (TypeError, RuntimeError):
+                log.info("router: no bf16 GEMM with fp32 output in this torch; fp32 matmul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)
+        if self._fp32_out and x.dtype == torch.bfloat16:
+            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), self.weight.float())
 
 
 class DeepseekMoE(nn.Module):
@@ -383,7 +401,9 @@ class DeepseekMoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        self.gate = Router(cfg.n_routed_experts, cfg.hidden_size, cfg.topk_method == "noaux_tc")
+        self.gate = Router(
+            cfg.n_routed_experts, cfg.hidden_size, cfg.topk_method == "noaux_tc", dtype
+        )
         scheme = quant.moe_method(f"{prefix}.experts") if quant is not None else None
         self.experts = RoutedExperts(
             cfg.n_routed_experts,

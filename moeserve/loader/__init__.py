@@ -57,7 +57,7 @@ def load_model(
     load_format: str = "auto",
     tp=None,
     seed: int = 0,
-    deterministic: bool | None = None,
+    deterministic: bool = False,
 ) -> LoadedModel:
     """Load a model path; any failure is a `LoadError` of one sentence naming the path (the
     traceback is logged at debug level). Files are checked first (validate.py), so a
@@ -87,7 +87,7 @@ def load_model(
         log.debug("loading %s failed", path, exc_info=True)
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise LoadError(f"cannot load {path}: {type(e).__name__}: {first}") from None
-    set_batch_invariant(loaded.model, device == "cpu" if deterministic is None else deterministic)
+    set_batch_invariant(loaded.model, deterministic)
     return loaded
 
 

@@ -24,3 +24,4 @@ class LoadedModel:
     kv_cache_dtype: torch.dtype  # what the runner allocates the paged cache in
     description: str  # one line for the start-up banner: format, quantization, dtype
     quant: Any = None  # the checkpoint's QuantConfig (None: unquantized or GGUF)
+    load_seconds: float = 0.0  # building the model and reading (or generating) its weights

@@ -99,9 +99,7 @@ def kv_usage(base: str) -> float:
 
 def healthy_and_serving(base: str) -> None:
     assert httpx.get(base + "/health").status_code == 200
-    r = httpx.post(
-        base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=120
-    )
+    r = httpx.post(base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=120)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 

@@ -46,8 +46,6 @@ TEMPLATE = (
 )
 
 
-
-
 class FakeTokenizer:
     eos_token_id = EOS
     bos_token_id = BOS

@@ -38,3 +38,18 @@ def test_stop_string_split_across_tokens_is_not_emitted():
 def test_include_stop_and_false_alarm():
     pieces, stop = _run("a STAR b STOP", stop=("STOP",), include_stop_str_in_output=True)
     assert "".join(pieces) == "a STAR b STOP" and stop == "STOP"
+
+
+def test_ids_beyond_the_tokenizer_give_no_text():
+    """A padded LM head's rows have no token: never decoded (the tokenizer would raise)."""
+
+    class Strict:
+        vocab_size = 3
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("abc"[i] for i in ids)  # IndexError beyond the vocabulary
+
+    d = IncrementalDetokenizer(Strict(), [0], SamplingParams())
+    assert d.add(1) == ("b", None)
+    assert d.add(7) == ("", None)
+    assert d.add(2) == ("c", None)

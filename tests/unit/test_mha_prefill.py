@@ -3,6 +3,7 @@ decode) against one plain masked softmax attention over each sequence's whole hi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
@@ -21,9 +22,11 @@ def reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, start: in
     return torch.einsum("htl,hld->thd", s.softmax(-1), v.double()).float()
 
 
-def test_chunks_with_context_and_decodes_in_one_step():
+@pytest.mark.parametrize("invariant", [False, True])
+def test_chunks_with_context_and_decodes_in_one_step(invariant):
     torch.manual_seed(0)
     attn = PagedAttention(H, KVH, D, D**-0.5)
+    attn.batch_invariant = invariant
     attn.bind_kv_cache(64, PS, torch.float32, "cpu")
     pages = torch.randperm(64).tolist()
     # three sequences: full histories, how much is already cached, and this step's new tokens
@@ -62,3 +65,53 @@ def test_chunks_with_context_and_decodes_in_one_step():
         ref = reference(qs[b], hist_k[b], hist_v[b], cached[b])
         got = out[qstart[b] : qstart[b + 1]]
         assert torch.allclose(got, ref, atol=2e-5), (b, (got - ref).abs().max())
+
+
+def _run(attn, seqs, tables):
+    """One step over `seqs` = [(history k, history v, q, cached)], new keys written first."""
+    slots, qs, ks, vs, qlens, lens = [], [], [], [], [], []
+    for b, (hk, hv, q, cached) in enumerate(seqs):
+        for t in range(cached, hk.shape[0]):
+            slots.append(int(tables[b, t // PS]) * PS + t % PS)
+        qs.append(q), ks.append(hk[cached:]), vs.append(hv[cached:])
+        qlens.append(q.shape[0]), lens.append(hk.shape[0])
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=tables,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start=torch.tensor(starts, dtype=torch.int32),
+        page_size=PS,
+        seq_lens_host=lens,
+        query_lens_host=qlens,
+    )
+    return attn(torch.cat(qs), torch.cat(ks), torch.cat(vs), ForwardContext(md))
+
+
+def test_invariant_rows_are_bitwise_equal_alone_batched_and_chunked():
+    """The same query rows computed alone, next to another sequence, and split in chunks
+    (the later chunk reading the earlier one from the cache) agree bit for bit."""
+    torch.manual_seed(1)
+    n = 700  # more than one 512-key block
+    hk, hv, q = torch.randn(n, KVH, D), torch.randn(n, KVH, D), torch.randn(n, H, D)
+    other = (torch.randn(30, KVH, D), torch.randn(30, KVH, D), torch.randn(30, H, D), 0)
+    results = []
+    for layout in ("alone", "batched", "chunked"):
+        attn = PagedAttention(H, KVH, D, D**-0.5)
+        attn.batch_invariant = True
+        attn.bind_kv_cache(256, PS, torch.float32, "cpu")
+        tables = torch.arange(2 * 200, dtype=torch.int32).view(2, 200)
+        if layout == "alone":
+            out = _run(attn, [(hk, hv, q, 0)], tables[:1])
+        elif layout == "batched":
+            out = _run(attn, [other, (hk, hv, q, 0)], tables.flip(0))[30:]
+        else:
+            first = _run(attn, [(hk[:333], hv[:333], q[:333], 0)], tables[:1])
+            rest = _run(attn, [(hk, hv, q[333:], 333)], tables[:1])
+            out = torch.cat([first, rest])
+        results.append(out)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    ref = reference(q, hk, hv, 0)
+    assert torch.allclose(results[0], ref, atol=2e-5)

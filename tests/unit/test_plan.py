@@ -58,7 +58,8 @@ ATTENTION_PER_LAYER = ATTN_LINEARS * BF16 + (Q_LORA + KV_LORA) * BF16 + FP32
 # vision tower: layer 0's dense MLP and the shared experts are NVFP4
 DENSE_MLP = 3 * nvfp4_bytes(I_DENSE // TP, H)
 SHARED_PER_LAYER = 3 * nvfp4_bytes(I_MOE // TP, H)
-ROUTER_PER_LAYER = EXPERTS * H * FP32 + EXPERTS * FP32  # gate weight + correction bias, fp32
+# gate weight in the model dtype (bf16), correction bias in fp32
+ROUTER_PER_LAYER = EXPERTS * H * BF16 + EXPERTS * FP32
 EXPERTS_PER_LAYER_TP = EXPERTS * 3 * nvfp4_bytes(I_MOE // TP, H)
 EXPERTS_PER_LAYER_EP = (EXPERTS // TP) * 3 * nvfp4_bytes(I_MOE, H)
 NVFP4_WEIGHTS_TP = MOE_LAYERS * EXPERTS * 3  # routed expert weights per rank without EP

@@ -12,6 +12,9 @@ from torch import nn
 
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 
+# torch's CPU flash attention splits keys into blocks of this many (from position 0)
+INVARIANT_BLOCK = 512
+
 
 class PagedAttention(nn.Module):
     # decode slices the cache by host-side sequence lengths: not capturable in a CUDA graph
@@ -25,8 +28,8 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        # batch-invariant decode: each sequence attends over exactly its own keys, the same
-        # computation alone or in any batch (a padded batched SDPA rounds differently)
+        # batch-invariant attention (deterministic mode): each query row gets the same
+        # arithmetic alone or in any batch, chunk or prefix-cache split (see `_invariant`)
         self.batch_invariant = False
 
     # ---- cache contract used by the runner ------------------------------------------------
@@ -51,6 +54,8 @@ class PagedAttention(nn.Module):
         vf = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         kf.index_copy_(0, md.slot_mapping, k if k.dtype == kf.dtype else k.to(kf.dtype))
         vf.index_copy_(0, md.slot_mapping, v if v.dtype == vf.dtype else v.to(vf.dtype))
+        if self.batch_invariant and q.device.type == "cpu":
+            return self._invariant(q, md)
         nd = md.num_decode_seqs
         if nd == md.num_seqs:
             # decode attention runs in the cache dtype (fp32 on CPUs: torch's CPU SDPA is
@@ -64,6 +69,42 @@ class PagedAttention(nn.Module):
             qlen, slen = md.query_lens_host[b], md.seq_lens_host[b]
             rows = slice(start, start + qlen)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], slen - qlen, md, b)
+            start += qlen
+        return out
+
+    def _invariant(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Every sequence, decode or prefill chunk, through one canonical computation: its
+        keys from the cache (fp32) zero-padded to whole blocks of INVARIANT_BLOCK, positions
+        after each query masked, torch's CPU flash kernel. That kernel walks keys in blocks of
+        512 from position 0 (for 512 keys or more), so a query row sees the same blocks with
+        the same values whatever else is in the call: its arithmetic, hence its result, is
+        the same alone, batched, chunked or after a prefix-cache hit. (Padded batched SDPA
+        and flash calls of different lengths round differently, ~1e-7, enough to flip a
+        greedy token now and then.)"""
+        out = torch.empty_like(q)
+        groups = self.num_heads // self.num_kv_heads
+        start = 0
+        for b in range(md.num_seqs):
+            qlen, slen = md.query_lens_host[b], md.seq_lens_host[b]
+            padded = -(-slen // INVARIANT_BLOCK) * INVARIANT_BLOCK
+            k, v = self._gather(md.block_tables[b], slen, md.page_size)  # [KVH, slen, D]
+            pad = (0, 0, 0, padded - slen)
+            k = F.pad(k.float(), pad)[None]
+            v = F.pad(v.float(), pad)[None]
+            pos = torch.arange(slen - qlen, slen, device=q.device)[:, None]
+            mask = torch.zeros(qlen, padded, device=q.device)
+            mask.masked_fill_(torch.arange(padded, device=q.device)[None, :] > pos, float("-inf"))
+            qb = q[start : start + qlen].float().transpose(0, 1)[None]
+            o, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qb,
+                _repeat(k, groups),
+                _repeat(v, groups),
+                0.0,
+                False,
+                attn_mask=mask,
+                scale=self.scale,
+            )
+            out[start : start + qlen] = o[0].transpose(0, 1).to(q.dtype)
             start += qlen
         return out
 
@@ -125,15 +166,12 @@ class PagedAttention(nn.Module):
         ps = md.page_size
         lens = md.seq_lens_host[:n]
         L = max(lens)
-        if n == 1 or self.batch_invariant:  # exact lengths, no padding, no mask
-            outs = []
-            for b in range(n):
-                k, v = self._gather(md.block_tables[b], lens[b], ps)
-                o = F.scaled_dot_product_attention(
-                    q[b : b + 1, :, None], k[None], v[None], scale=self.scale, enable_gqa=True
-                )
-                outs.append(o[:, :, 0])
-            return outs[0] if n == 1 else torch.cat(outs)
+        if n == 1:  # nothing to pad: no mask
+            k, v = self._gather(md.block_tables[0], L, ps)
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2), k[None], v[None], scale=self.scale, enable_gqa=True
+            )
+            return o.squeeze(2)
         pages = md.block_tables[:n, : -(-L // ps)]
         k = self.k_cache[pages].flatten(1, 2)[:, :L].transpose(1, 2)  # [B, KVH, L, D]
         v = self.v_cache[pages].flatten(1, 2)[:, :L].transpose(1, 2)
