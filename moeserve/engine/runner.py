@@ -32,12 +32,44 @@ PAD_SLOT = -1  # write_mla_cache skips negative slots
 class StepTensors:
     """A step's index tensors on the device (views of one copied buffer)."""
 
-    packed: torch.Tensor  # the whole buffer: ids, positions, rows, seq_lens, logit_rows
+    packed: torch.Tensor  # the whole buffer: ids, positions, rows, seq_lens, logit_rows, ...
     ids: torch.Tensor
     positions: torch.Tensor
     rows: torch.Tensor
     seq_lens: torch.Tensor
     logit_rows: torch.Tensor
+    query_lens: torch.Tensor
+    query_start: torch.Tensor  # int32 [B + 1]
+
+
+class Staging:
+    """Host->device copies of int64 arrays through two pinned buffers used in turn (CUDA): the
+    copy is queued without waiting for the GPU, and a buffer is refilled only once its last
+    copy has run. On a CPU device the array is used as it is."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.bufs: list[torch.Tensor | None] = [None, None]
+        self.done: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def to_device(self, host: np.ndarray) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.from_numpy(host)
+        self.turn ^= 1
+        i, n = self.turn, host.size
+        if self.done[i] is not None:
+            self.done[i].synchronize()
+        buf = self.bufs[i]
+        if buf is None or buf.numel() < n:
+            size = max(n, 2 * (buf.numel() if buf is not None else 0), 1 << 12)
+            buf = self.bufs[i] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        buf[:n].numpy()[:] = host
+        dev = torch.empty(n, dtype=torch.int64, device=self.device)
+        dev.copy_(buf[:n], non_blocking=True)
+        event = self.done[i] = torch.cuda.Event()
+        event.record()
+        return dev
 
 
 class ModelRunner:
@@ -67,6 +99,7 @@ class ModelRunner:
         model_len = config.scheduler.max_model_len or loaded.config.max_position_embeddings
         self.max_rows = config.scheduler.max_num_seqs
         self.graphs: DecodeGraphs | None = None
+        self._staging = Staging(self.device)
         self.memory = self._plan_memory(loaded, model_len)
         self.num_pages = self.memory.kv_pages
         self.max_model_len = min(model_len, self.num_pages * self.page_size)
@@ -221,34 +254,45 @@ class ModelRunner:
         return graphs.status()
 
     # ---- one step ----------------------------------------------------------------------------
-    def _apply_page_updates(self, updates: list[int]) -> None:
-        if not updates:
-            return
-        rows: list[int] = []
-        cols: list[int] = []
-        pages: list[int] = []
-        for row, col, new in iter_page_updates(updates):
-            rows.extend([row] * len(new))
-            cols.extend(range(col, col + len(new)))
-            pages.extend(new)
-        idx = torch.tensor([rows, cols], dtype=torch.int64).to(self.device, non_blocking=True)
-        vals = torch.tensor(pages, dtype=torch.int32).to(self.device, non_blocking=True)
-        self.block_table.index_put_((idx[0], idx[1]), vals)
-
     def _tensors(self, step: StepInput) -> StepTensors:
-        """One host->device copy of the step's index lists."""
-        t, b = step.num_tokens, len(step.rows)
-        host = np.empty(2 * t + 2 * b + len(step.logit_rows), dtype=np.int64)
-        parts = (step.ids, step.positions, step.rows, step.seq_lens, step.logit_rows)
+        """The step's index lists in one host->device copy (from pinned memory on GPUs: a copy
+        from pageable memory would wait for the GPU to drain, defeating overlap), and the
+        page-table rows it appends written on the device."""
+        upd_rows: list[int] = []
+        upd_cols: list[int] = []
+        upd_pages: list[int] = []
+        for row, col, new in iter_page_updates(step.page_updates):
+            upd_rows.extend([row] * len(new))
+            upd_cols.extend(range(col, col + len(new)))
+            upd_pages.extend(new)
+        qstart = [0]
+        for q in step.query_lens:
+            qstart.append(qstart[-1] + q)
+        parts = (
+            step.ids,
+            step.positions,
+            step.rows,
+            step.seq_lens,
+            step.logit_rows,
+            step.query_lens,
+            qstart,
+            upd_rows,
+            upd_cols,
+            upd_pages,
+        )
+        host = np.empty(sum(len(p) for p in parts), dtype=np.int64)
+        spans = []
         o = 0
-        views = []
         for part in parts:
             host[o : o + len(part)] = part
-            views.append((o, len(part)))
+            spans.append((o, len(part)))
             o += len(part)
-        dev = torch.from_numpy(host).to(self.device, non_blocking=self.device.type == "cuda")
-        ids, pos, rows, lens, lrows = (dev[s : s + n] for s, n in views)
-        return StepTensors(dev, ids, pos, rows, lens, lrows)
+        dev = self._staging.to_device(host)
+        views = [dev[a : a + n] for a, n in spans]
+        ids, pos, rows, lens, lrows, qlens, qs, ur, uc, up = views
+        if len(up):
+            self.block_table.index_put_((ur, uc), up.to(torch.int32))
+        return StepTensors(dev, ids, pos, rows, lens, lrows, qlens, qs.to(torch.int32))
 
     def metadata(
         self,
@@ -259,6 +303,7 @@ class ModelRunner:
         seq_lens_host: list[int],
         table_width: int,
         query_start: torch.Tensor | None = None,
+        query_lens_dev: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """Attention metadata on the device from the persistent page table: each sequence's
         table row, and each token's cache slot (negative for padding: seq_len 0)."""
@@ -268,7 +313,11 @@ class ModelRunner:
             tok_tables = tables
             valid = seq_lens > 0
         else:
-            counts = torch.tensor(query_lens, device=self.device)
+            counts = (
+                query_lens_dev
+                if query_lens_dev is not None
+                else torch.tensor(query_lens, device=self.device)
+            )
             tok_tables = tables.repeat_interleave(counts, dim=0, output_size=len(positions))
             valid = None
         page = tok_tables.gather(1, (positions // ps)[:, None]).squeeze(1).long()
@@ -310,7 +359,6 @@ class ModelRunner:
     def execute_model(self, step: StepInput) -> torch.Tensor | None:
         """Run one step; fp32 logits [len(step.logit_rows), vocab] (every rank computes them:
         the LM head is vocab-parallel), or None when no row needs logits."""
-        self._apply_page_updates(step.page_updates)
         st = self._tensors(step)
         if step.ids and min(step.ids) < 0:  # placeholders: tokens the last step sampled
             src = self._prev_sampled if step.eager else self.last_sampled
@@ -322,7 +370,14 @@ class ModelRunner:
         else:
             width = -(-max(step.seq_lens) // self.page_size)
             md = self.metadata(
-                st.positions, st.rows, st.seq_lens, step.query_lens, step.seq_lens, width
+                st.positions,
+                st.rows,
+                st.seq_lens,
+                step.query_lens,
+                step.seq_lens,
+                width,
+                query_start=st.query_start,
+                query_lens_dev=st.query_lens,
             )
             hidden = self.model(st.ids, st.positions, ForwardContext(md))
         if not step.logit_rows:

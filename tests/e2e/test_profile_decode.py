@@ -76,5 +76,6 @@ def test_profile_decode_table(cli_server, kimi):
     # the profiled steps are the served ones: the client saw them as inter-token gaps
     gaps = [b - a for a, b in zip(times[1:], times[2:], strict=False)]
     client_ms = statistics.median(gaps) * 1000
-    assert 0.5 * client_ms <= step_ms <= 2.0 * client_ms, (step_ms, client_ms)
+    # (wide bounds: CI machines are small and shared; a unit or scale error is far outside)
+    assert client_ms / 3 <= step_ms <= 3 * client_ms, (step_ms, client_ms)
     assert 'moeserve_decode_profile_seconds{component="MoE experts"}' in metrics
