@@ -90,6 +90,7 @@ def _decode_ms(engine, batch: int) -> tuple[float, dict]:
     return statistics.median(times[1:]), {
         "kernel_ms": prof.kernel_ms,
         "idle_ms": prof.idle_ms,
+        "between_steps_ms": prof.between_ms,
         "kernels_per_step": prof.kernels_per_step,
         "kernels_per_layer": prof.kernels_per_layer,
         "components_ms": prof.components_ms,
@@ -181,6 +182,7 @@ def bench_moeserve(name: str, path: Path) -> dict:
             "pct_hbm": 100 * limit_ms / ms if ms > 0 else 0.0,
             "kernels_per_layer": statistics.median(moe_layers) if moe_layers else None,
             "idle_ms_per_step": hi["batches"][key]["idle_ms"],
+            "idle_between_steps_ms": hi["batches"][key]["between_steps_ms"],
         }
     out["load_s_per_layer"] = (hi["load_s"] - lo["load_s"]) / (LAYERS[1] - LAYERS[0])
     return out
@@ -272,7 +274,7 @@ def write_markdown(res: dict, path: Path) -> None:
             f"## {name}",
             "",
             "| batch | ms per MoE layer | limit (bytes / 4.3 TB/s) | % of HBM | kernels per "
-            "layer | GPU idle per step | HF transformers per layer | target |",
+            "layer | GPU idle per step (between steps) | HF transformers per layer | target |",
             "|---|---|---|---|---|---|---|---|",
         ]
         hf = res.get("hf", {}).get(name, {}).get("per_layer_ms", {})
@@ -282,7 +284,8 @@ def write_markdown(res: dict, path: Path) -> None:
             lines.append(
                 f"| {b} | {p['ms']:.3f} ms | {p['limit_ms']:.3f} ms ({p['bytes'] / 1e6:.0f} MB, "
                 f"{p['experts_touched']:.0f} experts) | {p['pct_hbm']:.0f}% | "
-                f"{p['kernels_per_layer']} | {p['idle_ms_per_step'] * 1000:.0f} us | {peer} | "
+                f"{p['kernels_per_layer']} | {p['idle_ms_per_step'] * 1000:.0f} us "
+                f"({(p.get('idle_between_steps_ms') or 0) * 1000:.0f} us) | {peer} | "
                 f"{target} |"
             )
         lines += [

@@ -109,14 +109,23 @@ class DecodeProfile:
     components_ms: dict[str, float] = field(default_factory=dict)  # served, per step
     kernels_per_step: int = 0
     kernels_per_layer: dict[str, int] = field(default_factory=dict)  # layer index -> kernels
+    between_ms: float | None = None  # GPU idle between steps (GPU only)
 
     @property
     def idle_ms(self) -> float:
         return max(0.0, self.step_ms - self.kernel_ms)
 
     def rows(self) -> list[tuple[str, float]]:
-        idle = "GPU idle (host gaps)" if self.device == "cuda" else "host (outside the forward)"
-        return [(c, self.components_ms.get(c, 0.0)) for c in COMPONENTS] + [(idle, self.idle_ms)]
+        comps = [(c, self.components_ms.get(c, 0.0)) for c in COMPONENTS]
+        if self.device != "cuda":
+            return comps + [("host (outside the forward)", self.idle_ms)]
+        if self.between_ms is None:
+            return comps + [("GPU idle (host gaps)", self.idle_ms)]
+        between = min(self.between_ms, self.idle_ms)
+        return comps + [
+            ("GPU idle between steps", between),
+            ("GPU idle inside steps", self.idle_ms - between),
+        ]
 
     def table(self) -> str:
         unit = "kernels" if self.device == "cuda" else "ops"
@@ -278,11 +287,24 @@ def attribute(prof: profile, cuda: bool) -> tuple[dict[str, float], int, dict[st
     return comp, count, dict(layers)
 
 
-def served_kernel_ms(prof: profile, steps: int) -> tuple[float, int]:
-    """GPU kernel time and kernels per served step (a kernel-only trace)."""
-    ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.device_time_total for e in ks) / 1000
-    return total / steps, len(ks) // max(steps, 1)
+def served_kernel_ms(prof: profile, steps: int) -> tuple[float, int, float | None]:
+    """GPU time, kernels per served step, and the GPU's idle time between steps (a
+    kernel-only trace; steps end with the copy of their sampled ids to the host, so the
+    gap from each such copy to the next device activity is idle between steps)."""
+    events = sorted(
+        (e.start_ns(), e.end_ns(), e.name())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == torch.autograd.DeviceType.CUDA
+    )
+    total = sum(end - start for start, end, _ in events) / 1e6
+    kernels = sum(1 for *_, n in events if not n.startswith(("Memcpy", "Memset")))
+    gaps = [
+        max(0, events[i + 1][0] - end) / 1e6
+        for i, (_, end, name) in enumerate(events[:-1])
+        if "DtoH" in name
+    ]
+    between = sum(gaps) / len(gaps) if gaps else None
+    return total / steps, kernels // max(steps, 1), between
 
 
 class DecodeProfiler:
@@ -325,9 +347,9 @@ class DecodeProfiler:
         if cuda:
             assert self._prof is not None
             self._prof.__exit__(None, None, None)
-            kernel_ms, per_step = served_kernel_ms(self._prof, steps)
+            kernel_ms, per_step, between = served_kernel_ms(self._prof, steps)
         else:  # the forward is the ops: its wall time in the executor
-            kernel_ms, per_step = sum(self.forward) / steps, 0
+            kernel_ms, per_step, between = sum(self.forward) / steps, 0, None
         with labelled(model), profile(activities=_activities(self.device)) as eager:
             with record_function(LABEL + "forward"):
                 rerun()
@@ -346,5 +368,6 @@ class DecodeProfiler:
             components_ms={c: ms * scale for c, ms in comp.items()},
             kernels_per_step=per_step or count,
             kernels_per_layer=layers,
+            between_ms=between,
         )
         return self.result
