@@ -120,7 +120,7 @@ def _banner(engine, name: str, seconds: float) -> str:
     e = engine.engine
     r = e.runner
     dtype = parse_dtype(e.config.load.dtype, e.loaded.config.dtype, str(r.device))
-    graphs = f"; {r.graph_status}" if r.graph_status else ""
+    graphs = "".join(f"; {x}" for x in (r.warm_up_status, r.graph_status) if x)
     parallel = e.executor.describe()
     parallel = f"; {parallel}" if parallel else ""
     head = (

@@ -409,7 +409,17 @@ class LoadConfig(_Settings):
     )
     device: str | None = setting(None, "cpu or cuda[:N] (default: cuda if present)")
     seed: int = setting(0, "seed of the default random generators and of dummy weights")
-    threads: int | None = setting(None, "CPU threads for torch", minimum=1)
+    threads: int | None = setting(
+        None,
+        "CPU threads for torch (default: torch's; `serve` leaves one core to the HTTP front end)",
+        minimum=1,
+    )
+    prefill_threads: int | None = setting(
+        None,
+        "CPU threads for steps of many tokens (prefill chunks), which gain more from every "
+        "core than they lose to the front end (default: the rank's share of all cores)",
+        minimum=1,
+    )
     deterministic: bool = setting(
         False,
         "batch-invariant attention (Llama path): a greedy request gives the same tokens alone, "
@@ -453,6 +463,14 @@ class SchedulerConfig(_Settings):
     )
     max_model_len: int | None = setting(
         None, "context length (default: the model's, capped by what the KV cache holds)", minimum=1
+    )
+    long_prefill_token_threshold: int | None = setting(
+        None,
+        "most prompt tokens one request prefills in a step, so that requests arriving behind "
+        "a long prompt are admitted beside its chunks instead of after all of them; 0 = no "
+        "limit (default: 1024 on CPUs, where a chunk of the full budget takes seconds; none "
+        "on GPUs)",
+        minimum=0,
     )
 
 
@@ -516,9 +534,9 @@ class EngineConfig(_Settings):
 
     overlap_schedule: bool | None = setting(
         None,
-        "while the GPU runs step N, schedule and launch step N+1 and process step N's outputs "
-        "(batches of plain greedy requests; their next input token stays on the GPU) "
-        "(default: on for GPUs)",
+        "overlap scheduling, on by default on GPUs (this flag turns it off): while the GPU runs "
+        "step N, the host queues step N+1 and then processes step N's outputs (batches of "
+        "plain greedy requests, whose next input token stays on the GPU)",
         negate="--no-overlap-schedule",
     )
     profile_decode: int = setting(

@@ -311,13 +311,19 @@ def kernel_choices(
             graph_blockers.append("MLA decode")
         else:
             out.append(KernelChoice("MLA decode", "torch (gather + einsum)", "CPU path"))
-        out.append(
-            KernelChoice(
+        if gpu and triton and layout == MLA_KERNEL_LAYOUT:
+            prefill = KernelChoice(
+                "MLA prefill",
+                "Triton MLA prefill (absorbed, over the paged latent cache)",
+                "every prefill chunk of a step in one launch; decode rows keep the decode kernel",
+            )
+        else:
+            prefill = KernelChoice(
                 "MLA prefill",
                 "torch SDPA, expanded form",
                 "per sequence; the cached latent is expanded through kv_b_proj",
             )
-        )
+        out.append(prefill)
     else:
         out.append(KernelChoice("attention", "torch SDPA", "paged KV gathered per sequence"))
         graph_blockers.append("attention")

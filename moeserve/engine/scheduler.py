@@ -2,9 +2,11 @@
 
 Each step has a token budget. Running requests go first (one token each when decoding, the
 next chunk when a prompt is still being prefilled), then waiting requests in arrival order,
-their prompts cut into chunks to fit the budget. When pages run out, the most recently
-arrived running request is preempted: its pages are released and it goes back to the head
-of the waiting queue, to be recomputed (prompt + what it generated) later.
+their prompts cut into chunks to fit the budget. With `long_prefill_token_threshold` set, no
+prompt takes more than that many tokens of a step, so a long prompt leaves room for the
+requests that arrive behind it (vLLM's option of the same name). When pages run out, the
+most recently arrived running request is preempted: its pages are released and it goes back
+to the head of the waiting queue, to be recomputed (prompt + what it generated) later.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_to_compute, budget)
+            n = self._chunk(req, budget)
             while not self._grow(req, n):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -79,7 +81,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_computed == 0 and not req.pages:
                 self._reuse_prefix(req)
-            n = min(req.num_to_compute, budget)
+            n = self._chunk(req, budget)
             if not self._grow(req, n):
                 self.alloc.release(req.pages)  # retry the prefix match next time
                 req.pages, req.num_computed, req.num_cached_tokens = [], 0, 0
@@ -92,6 +94,13 @@ class Scheduler:
             batch.num_tokens.append(n)
             budget -= n
         return batch
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens `req` computes this step: all it has, within the budget and the
+        long-prefill threshold (decode steps, one token, are never cut)."""
+        n = min(req.num_to_compute, budget)
+        limit = self.cfg.long_prefill_token_threshold
+        return min(n, limit) if limit else n
 
     def _reuse_prefix(self, req: Request) -> None:
         if req.params.prompt_logprobs is not None:

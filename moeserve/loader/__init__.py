@@ -92,8 +92,9 @@ def load_model(
 
 
 def set_batch_invariant(model: torch.nn.Module, on: bool) -> None:
-    """Attention layers that can run batch-invariant do so (see `PagedAttention`)."""
-    for layer in model.attention_layers():
+    """Layers that can run batch-invariant do so (attention: see `PagedAttention`; CPU
+    weight-only linears: no prefill-only GEMM path)."""
+    for layer in model.modules():
         if hasattr(layer, "batch_invariant"):
             layer.batch_invariant = on
 

@@ -65,3 +65,26 @@ def test_preemption_by_recompute_when_pages_run_out():
     s.finish(a)
     batch = _run_step(s)
     assert batch.requests == [b] and batch.num_tokens == [5]  # prompt + its 2 output tokens
+
+
+def test_long_prefill_threshold_admits_requests_behind_a_long_prompt():
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    s = Scheduler(cfg, PageAllocator(64, 4))
+    s.add(_req("long", 40))
+    b = _run_step(s)
+    assert b.num_tokens == [6]  # cut at the threshold although the budget had room
+    s.add(_req("short", 3))
+    b = _run_step(s)
+    # the short prompt runs beside the long one's next chunk, not after all of its chunks
+    assert [r.request_id for r in b.requests] == ["long", "short"] and b.num_tokens == [6, 3]
+    b = _run_step(s)
+    assert b.num_tokens == [6, 1]  # the short one decodes; decode steps are never cut
+
+
+def test_no_threshold_lets_a_long_prompt_take_the_budget():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), PageAllocator(64, 4))
+    s.add(_req("long", 40))
+    _run_step(s)
+    s.add(_req("short", 3))
+    b = _run_step(s)
+    assert [r.request_id for r in b.requests] == ["long"] and b.num_tokens == [16]

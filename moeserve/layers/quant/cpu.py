@@ -7,6 +7,12 @@ matmul ops, which are fast with bf16 activations:
   Q4_1 (w = d*q + m; llama.cpp puts each group's min and max on codes 0 and 15), so a Q4_1
   file is served with its own 4-bit weights.
 - int8: per output channel, symmetric.
+
+With bf16 activations each layer also keeps a bf16 copy of its (dequantized) weights for
+prefill: from PREFILL_ROWS rows on a bf16 GEMM beats the weight-only kernels (measured on
+SmolLM2 at 2k-4k tokens: prefill 1.4-1.5x faster end to end), at 2 bytes per weight of memory.
+Batch-invariant (deterministic) layers always take the weight-only kernel, so a row's result
+never depends on what else is in the step.
 """
 
 from __future__ import annotations
@@ -25,10 +31,27 @@ INT4_GROUP = 32
 INT4_MAX = 15
 INT4_MID = 8  # torch's int4 kernels dequantize (q - 8) * scale + zero
 INT8_MAX = 127.0
+PREFILL_ROWS = 64  # rows from which the bf16 copy's GEMM is used (see above)
 
 
 class _StagedMethod(LinearMethod):
     """Loads into an fp32 weight (no rounding before repacking), applies in `act_dtype`."""
+
+    def __init__(self, prefill_copy: bool = True) -> None:
+        self.prefill_copy = prefill_copy
+
+    def _keep_copy(self, layer: nn.Module, dequantized: torch.Tensor) -> None:
+        layer.batch_invariant = False
+        if self.prefill_copy and layer.act_dtype == torch.bfloat16:
+            layer.register_buffer("dense", dequantized.to(torch.bfloat16).contiguous())
+
+    @staticmethod
+    def _dense_rows(layer: nn.Module, x: torch.Tensor) -> bool:
+        return (
+            hasattr(layer, "dense")
+            and not layer.batch_invariant
+            and x.numel() >= PREFILL_ROWS * x.shape[-1]
+        )
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype
@@ -48,8 +71,12 @@ class Int8WeightOnlyMethod(_StagedMethod):
         del layer.weight  # a tied embedding keeps its own reference for lookups
         layer.register_buffer("qweight", q)
         layer.register_buffer("scales", scale.to(dtype))
+        layer.act_dtype = dtype
+        self._keep_copy(layer, q.float() * scale.to(dtype).float()[:, None])
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self._dense_rows(layer, x):
+            return torch.nn.functional.linear(x, layer.dense)
         shape = x.shape
         y = torch.ops.aten._weight_int8pack_mm(
             x.reshape(-1, shape[-1]), layer.qweight, layer.scales
@@ -84,8 +111,14 @@ class Int4WeightOnlyMethod(_StagedMethod):
             "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_MID)
         )
         layer.register_buffer("scales_zeros", sz.contiguous().to(layer.act_dtype))
+        # what the kernel computes: (q - 8) * scale + zero, with bf16 scale and zero
+        s16, z16 = (t.to(layer.act_dtype).float() for t in (scale, zero))
+        deq = (q.view(n, k // INT4_GROUP, INT4_GROUP).float() - INT4_MID) * s16 + z16
+        self._keep_copy(layer, deq.view(n, k))
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self._dense_rows(layer, x):
+            return torch.nn.functional.linear(x, layer.dense)
         shape = x.shape
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.reshape(-1, shape[-1]), layer.qweight, INT4_GROUP, layer.scales_zeros
@@ -105,7 +138,8 @@ class CpuWeightOnlyConfig(QuantConfig):
         return Int4WeightOnlyMethod() if self.bits == 4 else Int8WeightOnlyMethod()
 
     def lm_head_method(self) -> LinearMethod | None:
-        return Int8WeightOnlyMethod()
+        # the LM head sees a step's logit rows only (few): no prefill copy
+        return Int8WeightOnlyMethod(prefill_copy=False)
 
 
 def cpu_quant_config(name: str) -> QuantConfig:

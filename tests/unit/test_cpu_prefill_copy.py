@@ -1,0 +1,29 @@
+"""CPU weight-only layers' bf16 prefill copy: the same weights the int4/int8 kernels apply
+(the kernels are the oracle), used only for many rows and never in deterministic mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from moeserve.layers.quant.cpu import PREFILL_ROWS, Int4WeightOnlyMethod, Int8WeightOnlyMethod
+
+
+@pytest.mark.parametrize("method", [Int4WeightOnlyMethod, Int8WeightOnlyMethod])
+def test_prefill_copy_applies_the_kernels_weights(method):
+    torch.manual_seed(0)
+    m = method()
+    layer = nn.Module()
+    m.create_weights(layer, 96, 48, torch.bfloat16)
+    layer.weight.data.normal_()
+    m.process_weights_after_loading(layer)
+    x = torch.randn(PREFILL_ROWS + 3, 96).bfloat16()
+    dense = m.apply(layer, x).float()
+    layer.batch_invariant = True  # deterministic: the weight-only kernel for every row count
+    kernel = m.apply(layer, x).float()
+    assert not torch.equal(dense, kernel)  # really two paths
+    assert (dense - kernel).abs().max() <= 0.01 * kernel.abs().max()
+    layer.batch_invariant = False
+    few = x[: PREFILL_ROWS - 1]  # decode-sized batches keep the kernel
+    assert torch.equal(m.apply(layer, few), kernel[: PREFILL_ROWS - 1].bfloat16())
