@@ -41,6 +41,9 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+OK_KINDS = ("chat-stream", "chat", "completion-n", "prompt-list", "long-prompt", "penalties")
+
+
 def make_request(rng: random.Random, i: int) -> tuple[str, str, dict, str]:
     """(kind, path, body, expectation) of request i; expectation: ok | 4xx | abort."""
     r = rng.random()
@@ -219,16 +222,22 @@ async def run(args: argparse.Namespace, pid: int) -> dict:
     base = f"http://127.0.0.1:{args.port}"
     limits = httpx.Limits(max_connections=args.concurrency + 4)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
-        # warm-up, then the baseline
-        for i in range(20):
-            kind, path, body, expect = make_request(rng, i)
-            if expect == "ok":
+        # warm-up until every kind of request that succeeds has run once (the long prompts
+        # set the allocator's high-water mark of activations), then the baseline: memory
+        # that grows beyond it is held by requests that are gone
+        seen: set[str] = set()
+        i = 0
+        while len(seen) < len(OK_KINDS):
+            kind, path, body, expect = make_request(rng, -1 - i)
+            i += 1
+            if expect == "ok" and kind not in seen:
+                seen.add(kind)
+                if kind == "long-prompt":  # the longest the mix sends
+                    body = {**body, "prompt": words(rng, 1500)}
                 await send(client, rng, kind, path, body, expect)
         await wait_idle(client)
         base_rss = rss_mb(pid)
         queue: asyncio.Queue = asyncio.Queue()
-        for i in range(args.requests):
-            queue.put_nowait(make_request(rng, i))
         results: list[tuple[str, int, float, str]] = []
 
         async def worker() -> None:
@@ -239,11 +248,18 @@ async def run(args: argparse.Namespace, pid: int) -> dict:
                 except httpx.HTTPError as e:
                     results.append((kind, -1, 0.0, f"{expect}: {type(e).__name__}"))
 
+        # two halves, RSS after each: a leak grows with the requests, an allocator's
+        # high-water mark does not
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        half_rss = []
+        for lo, hi in ((0, args.requests // 2), (args.requests // 2, args.requests)):
+            for i in range(lo, hi):
+                queue.put_nowait(make_request(rng, i))
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            idle = await wait_idle(client)
+            half_rss.append(rss_mb(pid))
         wall = time.perf_counter() - t0
-        idle = await wait_idle(client)
-        end_rss = rss_mb(pid)
+        end_rss = half_rss[-1]
         phase = await prefill_phase(client, rng, args.small_requests)
         idle2 = await wait_idle(client)
         health = (await client.get("/health")).status_code
@@ -267,6 +283,7 @@ async def run(args: argparse.Namespace, pid: int) -> dict:
         "after_soak": idle,
         "rss_baseline_mb": base_rss,
         "rss_after_mb": end_rss,
+        "rss_after_each_half_mb": half_rss,
         "prefill_phase": phase,
         "after_prefill_phase": idle2,
         "health_at_end": health,
@@ -350,7 +367,8 @@ def main() -> None:
         f"{out['unexpected_count']} |",
         f"| after the soak: running / waiting / KV usage | {out['after_soak']['running']:.0f} / "
         f"{out['after_soak']['waiting']:.0f} / {out['after_soak']['kv_usage']:.3f} |",
-        f"| server RSS baseline -> after | {out['rss_baseline_mb']:.0f} MB -> "
+        f"| server RSS baseline -> after half / all the requests | "
+        f"{out['rss_baseline_mb']:.0f} MB -> {out['rss_after_each_half_mb'][0]:.0f} MB -> "
         f"{out['rss_after_mb']:.0f} MB |",
         f"| 4,096-token prompt: prefill request | {p['prefill_request_s']:.1f} s "
         f"({p['prefill_tok_s']:.0f} tok/s) |",
