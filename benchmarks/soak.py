@@ -41,6 +41,9 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+# RSS is read this long after the server went idle: the engine returns freed heap memory to
+# the system after 1 s of idleness (moeserve.engine.engine.trim_host_heap)
+IDLE_SETTLE_S = 2.5
 OK_KINDS = ("chat-stream", "chat", "completion-n", "prompt-list", "long-prompt", "penalties")
 
 
@@ -236,6 +239,7 @@ async def run(args: argparse.Namespace, pid: int) -> dict:
                     body = {**body, "prompt": words(rng, 1500)}
                 await send(client, rng, kind, path, body, expect)
         await wait_idle(client)
+        await asyncio.sleep(IDLE_SETTLE_S)
         base_rss = rss_mb(pid)
         queue: asyncio.Queue = asyncio.Queue()
         results: list[tuple[str, int, float, str]] = []
@@ -257,6 +261,7 @@ async def run(args: argparse.Namespace, pid: int) -> dict:
                 queue.put_nowait(make_request(rng, i))
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
             idle = await wait_idle(client)
+            await asyncio.sleep(IDLE_SETTLE_S)
             half_rss.append(rss_mb(pid))
         wall = time.perf_counter() - t0
         end_rss = half_rss[-1]

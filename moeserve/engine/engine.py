@@ -8,6 +8,9 @@ queues, so neither blocks the other. `LLM` is the offline API.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
+import gc
 import json
 import logging
 import multiprocessing as mp
@@ -696,6 +699,9 @@ def exit_process(error: BaseException) -> None:
 
 EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE
 _POISON_GRACE_S = 0.5  # time for the front end to send the failed streams their error
+# the engine trims the host heap once it has been idle this long (a full collection takes
+# milliseconds to tens of them: only when no request is waiting for the engine)
+_IDLE_TRIM_AFTER_S = 1.0
 
 
 class AsyncEngine:
@@ -798,11 +804,21 @@ class AsyncEngine:
         return True
 
     def _loop(self) -> None:
+        worked = False  # since the last heap trim
         try:
             while True:
                 block = not self.engine.has_unfinished()
+                worked = worked or not block
                 try:
-                    msg = self._inbox.get(block=block, timeout=None if block else 0)
+                    if block and worked:  # idle: trim once nothing arrives for a moment
+                        try:
+                            msg = self._inbox.get(timeout=_IDLE_TRIM_AFTER_S)
+                        except queue.Empty:
+                            trim_host_heap()
+                            worked = False
+                            continue
+                    else:
+                        msg = self._inbox.get(block=block, timeout=None if block else 0)
                     if not self._handle(msg):
                         return
                     while True:  # drain everything that arrived
@@ -825,6 +841,25 @@ class AsyncEngine:
             if self._on_poison is not None:
                 time.sleep(_POISON_GRACE_S if ids else 0.0)
                 self._on_poison(e)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def trim_host_heap() -> None:
+    """Collect cyclic garbage (it can hold native buffers until a full collection) and
+    return the C heap's free memory to the system (glibc keeps what requests freed).
+    Measured on the CPU server: ~150 MB per 200 requests of varied lengths retained, nearly
+    all of it given back by the two together, none by malloc_trim alone."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _failure_message(e: Exception) -> str:

@@ -143,6 +143,22 @@ class ModelRunner:
     def _bind_cache(self, num_pages: int) -> None:
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(num_pages, self.page_size, self.kv_dtype, self.device)
+        if self.device.type == "cpu":
+            # zeros from calloc are not resident until written: write them now, so the
+            # process holds its whole cache from the start (its RSS then stays flat as
+            # requests touch new pages, and memory that is not there fails at start-up)
+            for cache in self._cache_tensors():
+                cache.zero_()
+
+    def _cache_tensors(self) -> list[torch.Tensor]:
+        """Every attention layer's KV-cache tensors."""
+        out = []
+        for layer in self.model.attention_layers():
+            for name in ("kv_cache", "k_cache", "v_cache"):
+                cache = getattr(layer, name, None)
+                if isinstance(cache, torch.Tensor):
+                    out.append(cache)
+        return out
 
     def _plan_memory(self, loaded: LoadedModel, model_len: int) -> MemoryPlan:
         """Pages of the KV cache on this rank, the smallest over the group."""
@@ -285,11 +301,8 @@ class ModelRunner:
         )
         torch.cuda.synchronize(self.device)
         self.block_table.zero_()
-        for layer in self.model.attention_layers():  # serving starts from an empty cache
-            for name in ("kv_cache", "k_cache", "v_cache"):
-                cache = getattr(layer, name, None)
-                if isinstance(cache, torch.Tensor):
-                    cache.zero_()
+        for cache in self._cache_tensors():  # serving starts from an empty cache
+            cache.zero_()
         return (
             f"kernels warmed up for {len(sizes) + 2} prefill shapes (1-{budget} tokens) in "
             f"{time.perf_counter() - t0:.1f}s"

@@ -206,6 +206,20 @@ def test_injected_error_fails_one_request(server, monkeypatch, where):
     assert not server.poisoned
 
 
+def test_idle_engine_gives_freed_memory_back(server, monkeypatch):
+    """Once the engine has been idle for a moment it collects garbage and trims the C heap
+    (glibc keeps what finished requests freed)."""
+    calls: list[int] = []
+    monkeypatch.setattr(engine_mod, "trim_host_heap", lambda: calls.append(1))
+    healthy_and_serving(server.base_url)  # some work, then idle
+    deadline = time.monotonic() + 10 * engine_mod._IDLE_TRIM_AFTER_S
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert calls == [1]  # once per idle period, not on every wake-up
+    time.sleep(2 * engine_mod._IDLE_TRIM_AFTER_S)
+    assert calls == [1]
+
+
 def test_an_error_outside_one_request_poisons_the_engine(server, monkeypatch):
     """Last in the module: the engine is dead afterwards."""
     base = server.base_url
