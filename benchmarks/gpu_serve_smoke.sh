@@ -12,10 +12,8 @@ base="http://127.0.0.1:$port"
 ckpt=$(mktemp -d)/kimi
 python3 - "$ckpt" <<'PY'
 import sys
-from moeserve.loader.checkpoint_writer import TinyShape, write_checkpoint
-shape = TinyShape(layers=3, experts=16, hidden=256, heads=8, q_lora=64, kv_lora=512, nope=64,
-                  rope=64, v_dim=64, intermediate=512, moe_intermediate=128, top_k=4)
-write_checkpoint(sys.argv[1], "kimi-k2.5", "nvfp4-modelopt", shape=shape, seed=1)
+from moeserve.loader.checkpoint_writer import KERNEL_SHAPE, write_checkpoint
+write_checkpoint(sys.argv[1], "kimi-k2.5", "nvfp4-modelopt", shape=KERNEL_SHAPE, seed=1)
 PY
 python3 -m moeserve.cli serve "$ckpt" --port "$port" --max-model-len 2048 \
   --reasoning-parser kimi_k2 --tool-call-parser kimi_k2 "$@" > "$out/gpu_serve$tag.log" 2>&1 &

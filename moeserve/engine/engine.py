@@ -276,13 +276,7 @@ class LLMEngine:
             if i in failed:
                 self._fail(live, failed[i])
                 continue
-            try:  # this request's own work: an error here fails it alone
-                out = self._emit(live, i, tokens, lps, prompt_lps)
-            except Exception as e:
-                if is_device_error(e):
-                    raise
-                self._fail(live, e)
-                continue
+            out = self._own_work(live, self._emit, live, i, tokens, lps, prompt_lps)
             if out is not None:
                 outputs.append(out)
         if self.profiler is not None and self.profiler.active and step.is_decode_only:
@@ -340,16 +334,24 @@ class LLMEngine:
             live = self.live.get(req.request_id)
             if live is None or req.finished:
                 continue  # aborted, or ended with an earlier token: this one is dropped
-            try:  # (a request preempted since gets its token too: it is recomputed later)
-                out = self._append_token(live, tokens[j], None)
-            except Exception as e:
-                if is_device_error(e):
-                    raise
-                self._fail(live, e)
-                continue
+            # (a request preempted since gets its token too: it is recomputed later)
+            out = self._own_work(live, self._append_token, live, tokens[j], None)
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _own_work(
+        self, live: _Live, work: Callable[..., RequestOutput | None], *args: object
+    ) -> RequestOutput | None:
+        """One request's own work (sampling bookkeeping, detokenizing, stop checks): an error
+        there fails that request alone; a device error poisons the step and propagates."""
+        try:
+            return work(*args)
+        except Exception as e:
+            if is_device_error(e):
+                raise
+            self._fail(live, e)
+            return None
 
     def _profile_step(self, step: StepInput, seconds: float, forward_seconds: float) -> None:
         """--profile-decode: count this served decode step; after N, the labelled eager

@@ -163,6 +163,24 @@ class TinyShape:
     merges: int = 300  # BPE merges learned for the tiny tokenizer
 
 
+# the smallest shape with the published 512 + 64 MLA latent layout, so the Triton MLA
+# kernels (and with them CUDA graphs) apply: GPU tests and the GPU serving smoke test
+KERNEL_SHAPE = TinyShape(
+    layers=3,
+    experts=16,
+    hidden=256,
+    heads=8,
+    q_lora=64,
+    kv_lora=512,
+    nope=64,
+    rope=64,
+    v_dim=64,
+    intermediate=512,
+    moe_intermediate=128,
+    top_k=4,
+)
+
+
 @dataclass
 class WrittenCheckpoint:
     path: str

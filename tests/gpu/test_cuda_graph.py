@@ -19,26 +19,12 @@ import pytest
 import torch
 
 from moeserve.engine.engine import LLM
-from moeserve.loader.checkpoint_writer import TinyShape, write_checkpoint
+from moeserve.loader.checkpoint_writer import KERNEL_SHAPE, write_checkpoint
 from moeserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# the published MLA cache layout (512 + 64) so the Triton MLA kernels apply
-SHAPE = TinyShape(
-    layers=3,
-    experts=16,
-    hidden=256,
-    heads=8,
-    q_lora=64,
-    kv_lora=512,
-    nope=64,
-    rope=64,
-    v_dim=64,
-    intermediate=512,
-    moe_intermediate=128,
-    top_k=4,
-)
+SHAPE = KERNEL_SHAPE  # the published 512 + 64 MLA layout: the Triton kernels apply
 STEPS = 32
 PROMPT_LENS = (5, 17, 2, 33, 9)
 NEAR_TIE = 0.05  # eager top-2 logprob gap below which graph and eager may pick differently

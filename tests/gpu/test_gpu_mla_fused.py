@@ -24,25 +24,12 @@ from moeserve.kernels import norm as nk
 from moeserve.kernels import router as rk
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.loader import load_model
-from moeserve.loader.checkpoint_writer import TinyShape, write_checkpoint
+from moeserve.loader.checkpoint_writer import KERNEL_SHAPE, write_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 DEV = "cuda"
-SHAPE = TinyShape(  # as tests/gpu/test_cuda_graph.py: the Triton MLA kernels apply
-    layers=3,
-    experts=16,
-    hidden=256,
-    heads=8,
-    q_lora=64,
-    kv_lora=512,
-    nope=64,
-    rope=64,
-    v_dim=64,
-    intermediate=512,
-    moe_intermediate=128,
-    top_k=4,
-)
+SHAPE = KERNEL_SHAPE  # the published 512 + 64 MLA layout: the Triton kernels apply
 STEPS = 16
 BF16_ULP = 2.0**-7
 
