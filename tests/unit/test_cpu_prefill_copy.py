@@ -27,3 +27,18 @@ def test_prefill_copy_applies_the_kernels_weights(method):
     layer.batch_invariant = False
     few = x[: PREFILL_ROWS - 1]  # decode-sized batches keep the kernel
     assert torch.equal(m.apply(layer, few), kernel[: PREFILL_ROWS - 1].bfloat16())
+
+
+@pytest.mark.parametrize("rows", [PREFILL_ROWS, PREFILL_ROWS + 1, 3 * PREFILL_ROWS - 5])
+def test_dense_rows_padded_to_whole_blocks_give_the_unpadded_product(rows):
+    torch.manual_seed(1)
+    m = Int8WeightOnlyMethod()
+    layer = nn.Module()
+    m.create_weights(layer, 64, 32, torch.bfloat16)
+    layer.weight.data.normal_()
+    m.process_weights_after_loading(layer)
+    x = torch.randn(2, rows, 64).bfloat16()  # leading dims kept
+    out = m.apply(layer, x)
+    assert out.shape == (2, rows, 32)
+    ref = x.float() @ layer.dense.float().T  # fp32 oracle of the same weights
+    assert (out.float() - ref).abs().max() <= 0.02 * ref.abs().max()
