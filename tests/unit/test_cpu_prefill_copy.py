@@ -10,14 +10,20 @@ from torch import nn
 from moeserve.layers.quant.cpu import PREFILL_ROWS, Int4WeightOnlyMethod, Int8WeightOnlyMethod
 
 
-@pytest.mark.parametrize("method", [Int4WeightOnlyMethod, Int8WeightOnlyMethod])
-def test_prefill_copy_applies_the_kernels_weights(method):
-    torch.manual_seed(0)
+def _layer(method, k: int, n: int, seed: int):
+    """A bf16 layer of `method` with random weights, processed as after loading."""
+    torch.manual_seed(seed)
     m = method()
     layer = nn.Module()
-    m.create_weights(layer, 96, 48, torch.bfloat16)
+    m.create_weights(layer, k, n, torch.bfloat16)
     layer.weight.data.normal_()
     m.process_weights_after_loading(layer)
+    return m, layer
+
+
+@pytest.mark.parametrize("method", [Int4WeightOnlyMethod, Int8WeightOnlyMethod])
+def test_prefill_copy_applies_the_kernels_weights(method):
+    m, layer = _layer(method, 96, 48, seed=0)
     x = torch.randn(PREFILL_ROWS + 3, 96).bfloat16()
     dense = m.apply(layer, x).float()
     layer.batch_invariant = True  # deterministic: the weight-only kernel for every row count
@@ -31,12 +37,7 @@ def test_prefill_copy_applies_the_kernels_weights(method):
 
 @pytest.mark.parametrize("rows", [PREFILL_ROWS, PREFILL_ROWS + 1, 3 * PREFILL_ROWS - 5])
 def test_dense_rows_padded_to_whole_blocks_give_the_unpadded_product(rows):
-    torch.manual_seed(1)
-    m = Int8WeightOnlyMethod()
-    layer = nn.Module()
-    m.create_weights(layer, 64, 32, torch.bfloat16)
-    layer.weight.data.normal_()
-    m.process_weights_after_loading(layer)
+    m, layer = _layer(Int8WeightOnlyMethod, 64, 32, seed=1)
     x = torch.randn(2, rows, 64).bfloat16()  # leading dims kept
     out = m.apply(layer, x)
     assert out.shape == (2, rows, 32)
