@@ -51,6 +51,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from common import git_commit  # noqa: E402
 
 HIDDEN = 7168  # Kimi-K2.5 / DeepSeek-V3
 EPS = 1e-6
@@ -291,15 +292,7 @@ def rank_main(rank: int, world: int, store: str, opts: dict, out_file: str) -> N
 
 
 def _commit(given: str | None) -> str:
-    if given:
-        return given
-    out = subprocess.run(
-        "git rev-parse --short HEAD 2>/dev/null || echo uncommitted",
-        shell=True,
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip()
+    return git_commit(given)
 
 
 def _topology() -> str:

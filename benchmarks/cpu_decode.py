@@ -19,11 +19,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from common import git_commit
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -220,12 +220,7 @@ def _hf_model(dtype: torch.dtype):
 def _env() -> dict:
     import transformers
 
-    commit = (
-        subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        or "uncommitted"
-    )
+    commit = git_commit()
     cpu = next(
         (
             ln.split(":", 1)[1].strip()

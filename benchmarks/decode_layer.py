@@ -26,11 +26,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from common import git_commit
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = {"kimi-k2.5-nvfp4": HERE / "configs/kimi-k2.5-nvfp4"}
@@ -242,15 +242,8 @@ def _versions(commit: str | None) -> dict:
     import transformers
     import triton
 
-    if commit is None:
-        commit = subprocess.run(
-            "git rev-parse HEAD 2>/dev/null || echo uncommitted",
-            shell=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
     return {
-        "commit": commit,
+        "commit": git_commit(commit),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,

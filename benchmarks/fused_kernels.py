@@ -31,7 +31,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -51,6 +50,7 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+from common import git_commit
 
 from moeserve.kernels import kv_cache as kvc  # noqa: E402
 from moeserve.kernels import norm as nk  # noqa: E402
@@ -406,15 +406,7 @@ def main() -> int:
         dims.update(hidden=256, heads=2, q_lora=128, nope=32, v=32)
         ROUTERS["deepseek E256 g8/4"] = (64, 8, 4, 2.5)
         ROUTERS["kimi E384 g1"] = (48, 1, 1, 2.827)
-    commit = (
-        args.commit
-        or subprocess.run(
-            "git rev-parse HEAD 2>/dev/null || echo uncommitted",
-            shell=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    )
+    commit = git_commit(args.commit)
     meta = {
         "gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,

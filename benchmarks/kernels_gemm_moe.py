@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 import triton
+from common import git_commit
 
 from moeserve.kernels import fp8_block_gemm as f8
 from moeserve.kernels import moe as moe_mod
@@ -668,15 +668,7 @@ def main() -> int:
         global GEMM_MS, MOE_MS
         GEMM_MS, MOE_MS = (1, 20), (1, 5)
     skip = set(filter(None, args.skip.split(",")))
-    commit = (
-        args.commit
-        or subprocess.run(
-            "git rev-parse HEAD 2>/dev/null || echo uncommitted",
-            shell=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    )
+    commit = git_commit(args.commit)
     meta = {
         "gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,

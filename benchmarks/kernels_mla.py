@@ -28,7 +28,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -46,6 +45,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from common import git_commit
 
 from moeserve.kernels import kv_cache as kvc  # noqa: E402
 from moeserve.kernels import mla_decode as dec  # noqa: E402
@@ -672,16 +672,7 @@ def kernel_diagnostics() -> list[dict]:
 def meta(device: str, commit_arg: str | None = None) -> dict:
     """Run provenance. Pass `commit` where the checkout's git metadata may be stale (the GPU
     machine's copy of the tree)."""
-    try:
-        commit = (
-            subprocess.run(
-                "git rev-parse HEAD || echo uncommitted", shell=True, capture_output=True, text=True
-            )
-            .stdout.strip()
-            .splitlines()[-1]
-        )
-    except Exception:
-        commit = "uncommitted"
+    commit = git_commit()
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "cpu (interpreter smoke)"
     return {
         "git_commit": commit_arg or commit,

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import git_commit
 
 HERE = Path(__file__).resolve().parent
 LAYERS = 6
@@ -118,17 +119,11 @@ def loaded_decode(
 
 
 def _versions(commit: str | None) -> dict:
-    import subprocess
 
     import triton
 
-    if commit is None:
-        git = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        )
-        commit = git.stdout.strip() or "uncommitted"
     return {
-        "commit": commit,
+        "commit": git_commit(commit),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -29,6 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+from common import git_commit
 
 RESULTS = Path(__file__).parent / "results"
 WORDS = (
@@ -298,10 +299,7 @@ async def run(args: argparse.Namespace, pid: int) -> dict:
 def env_info() -> dict:
     import torch
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
+    commit = git_commit(mark_dirty=True)
     cpu = next(
         (
             ln.split(":", 1)[1].strip()
@@ -311,7 +309,7 @@ def env_info() -> dict:
         platform.processor(),
     )
     return {
-        "commit": commit + ("+uncommitted" if dirty.stdout.strip() else ""),
+        "commit": commit,
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch": torch.__version__,
