@@ -5,8 +5,8 @@ Run on the GPU machine from the repository root:
   PYTHONPATH=$PWD python benchmarks/decode_layer.py --out benchmarks/results [--commit SHA]
 
 Method. For each published config (benchmarks/configs/), the engine is built with
-`--load-format dummy --num-layers L` for L = 2 and 6 (the first layer is dense, the others
-MoE): the slope (t6 - t2) / 4 is one MoE layer. B requests (64-token prompts, greedy,
+`--load-format dummy --num-layers L` for L = d+1 and d+5 (the first d layers are dense, the others
+MoE): the slope (t[d+5] - t[d+1]) / 4 is one MoE layer. B requests (64-token prompts, greedy,
 ignore_eos) are prefilled, then the engine's own decode steps are timed (wall clock of
 `LLMEngine.step`, i.e. what a client sees, host work included) after warm-up. The engine's
 decode profiler (`--profile-decode`) gives the kernels per layer, the kernel time and the GPU
@@ -35,13 +35,15 @@ from common import git_commit
 HERE = Path(__file__).resolve().parent
 CONFIGS = {"kimi-k2.5-nvfp4": HERE / "configs/kimi-k2.5-nvfp4"}
 OPTIONAL = {"deepseek-v3-fp8": HERE / "configs/deepseek-v3-fp8"}
-LAYERS = (2, 6)
+MOE_LAYERS_APART = 4  # the two engines differ by this many MoE layers
 BATCHES = (1, 8, 64)
 PROMPT = 64
 WARMUP_STEPS = 8
 TIMED_STEPS = 48
 HBM_BYTES_PER_S = 4.3e12
-BEFORE_MS_PER_LAYER = 0.345  # one H200, batch 1, commit 45ee28c (shared/PERF.md)
+# batch-1 ms per MoE layer on one H200 before the fused decode step (commit 45ee28c,
+# shared/PERF.md) and, for DeepSeek FP8, before the fused block-FP8 MoE (eager, issue 11)
+BEFORE_MS_PER_LAYER = {"kimi-k2.5-nvfp4": 0.345, "deepseek-v3-fp8": 6.0}
 TARGET_MS = 0.20
 
 
@@ -135,8 +137,23 @@ def _moe_layer_bytes(engine, batch: int) -> tuple[int, float]:
     return int(rest + touched * expert_bytes), touched
 
 
+def _first_dense(path: Path) -> int:
+    with open(path / "config.json") as f:
+        raw = json.load(f)
+    return int(raw.get("text_config", raw).get("first_k_dense_replace", 0))
+
+
+def layer_counts(path: Path) -> tuple[int, int]:
+    """(L, L + 4) with one MoE layer in the smaller model: Kimi (1 dense layer) 2 and 6,
+    DeepSeek-V3 (3 dense layers) 4 and 8."""
+    lo = _first_dense(path) + 1
+    return lo, lo + MOE_LAYERS_APART
+
+
 def bench_moeserve(name: str, path: Path) -> dict:
     out: dict = {"config": str(path.relative_to(HERE.parent)), "layers": {}}
+    LAYERS = layer_counts(path)  # noqa: N806 (a constant of this config)
+    out["layer_counts"] = list(LAYERS)
     for layers in LAYERS:
         torch.cuda.empty_cache()
         t0 = time.perf_counter()
@@ -173,7 +190,7 @@ def bench_moeserve(name: str, path: Path) -> dict:
         nbytes, touched = lo["moe_layer_bytes"][key]
         limit_ms = nbytes / HBM_BYTES_PER_S * 1000
         kpl = hi["batches"][key]["kernels_per_layer"]
-        moe_layers = [v for k, v in kpl.items() if int(k) >= 1]
+        moe_layers = [v for k, v in kpl.items() if int(k) >= LAYERS[0] - 1]
         out["per_layer"][key] = {
             "ms": ms,
             "bytes": nbytes,
@@ -259,7 +276,7 @@ def write_markdown(res: dict, path: Path) -> None:
         "",
         f"commit {v['commit']}, {v['gpu']}, torch {v['torch']}, triton {v['triton']}, "
         f"transformers {v['transformers']}. Method: benchmarks/decode_layer.py docstring "
-        "(slope of L=6 vs L=2 steps; HF peer slope of 3 vs 2 layers).",
+        "(slope of L=d+5 vs L=d+1 steps, d dense layers; HF peer slope of 3 vs 2 layers).",
         "",
     ]
     for name, r in res["moeserve"].items():
@@ -283,7 +300,7 @@ def write_markdown(res: dict, path: Path) -> None:
             )
         lines += [
             "",
-            f"Before this change (commit 45ee28c, batch 1): {BEFORE_MS_PER_LAYER} ms per MoE "
+            f"Before (batch 1): {BEFORE_MS_PER_LAYER.get(name, float('nan'))} ms per MoE "
             f"layer. Dummy load: {r['load_s_per_layer']:.1f} s per full-size layer "
             "(target <= 5 s).",
             "",
@@ -297,9 +314,12 @@ def main() -> None:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--deepseek", action="store_true", help="also the DeepSeek-V3 FP8 config")
+    ap.add_argument("--only", default=None, help="run this one config (a name of CONFIGS)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    configs = dict(CONFIGS, **(OPTIONAL if args.deepseek else {}))
+    configs = dict(CONFIGS, **(OPTIONAL if args.deepseek or args.only else {}))
+    if args.only:
+        configs = {args.only: {**CONFIGS, **OPTIONAL}[args.only]}
     res: dict = {"versions": _versions(args.commit), "moeserve": {}, "hf": {}}
     for name, path in configs.items():
         res["moeserve"][name] = bench_moeserve(name, path)

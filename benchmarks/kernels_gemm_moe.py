@@ -27,7 +27,9 @@ from common import git_commit
 
 from moeserve.kernels import fp8_block_gemm as f8
 from moeserve.kernels import moe as moe_mod
+from moeserve.kernels import nvfp4_format as fmt
 from moeserve.kernels import nvfp4_gemm as nv
+from moeserve.kernels import splitk
 from moeserve.kernels.configs import tile_config
 
 HBM_BYTES_PER_S = 4.3e12
@@ -131,7 +133,7 @@ def correctness(dev: str, results: list, smoke: bool = False) -> dict[str, bool]
     torch.manual_seed(0)
     decode_ok = {}
     w = torch.randn(300, 512, device=dev)
-    packed, scale, gs = nv.quantize_nvfp4(w)
+    packed, scale, gs = fmt.quantize_nvfp4(w)
     x = torch.randn(5, 512, device=dev, dtype=torch.bfloat16)
     ref = nv.nvfp4_gemm_ref(x, packed, scale, gs)
     for dec in (nv.DECODE_ARITH, nv.DECODE_BITS) if smoke else DECODE_ORDER:
@@ -153,7 +155,7 @@ def correctness(dev: str, results: list, smoke: bool = False) -> dict[str, bool]
         return decode_ok
     for name, (n, k) in list(GEMM_SHAPES.items())[:2]:
         w = torch.randn(n, k, device=dev) * 0.02
-        packed, scale, gs = nv.quantize_nvfp4(w)
+        packed, scale, gs = fmt.quantize_nvfp4(w)
         cases = ((1, "gemv"), (3, "gemv"), (1, "mma"), (100, "mma"), (1, "dequant"))
         cases += () if smoke else ((1, "gemv_mma"), (5, "gemv_mma"), (13, "gemv_mma"))
         for m, kernel in cases:
@@ -188,8 +190,8 @@ def correctness(dev: str, results: list, smoke: bool = False) -> dict[str, bool]
     s2 = torch.empty(e_, h, i // 16, dtype=torch.float8_e4m3fn, device=dev)
     g2 = torch.empty(e_, device=dev)
     for j in range(e_):
-        w13[j], s13[j], g13[j] = nv.quantize_nvfp4(torch.randn(2 * i, h, device=dev) * 0.02)
-        w2[j], s2[j], g2[j] = nv.quantize_nvfp4(torch.randn(h, i, device=dev) * 0.02)
+        w13[j], s13[j], g13[j] = fmt.quantize_nvfp4(torch.randn(2 * i, h, device=dev) * 0.02)
+        w2[j], s2[j], g2[j] = fmt.quantize_nvfp4(torch.randn(h, i, device=dev) * 0.02)
     ms = ((1, "gemv"), (7, "gemv"), (7, "mma")) if smoke else ((1, "gemv"), (64, "gemv"))
     more = ((1, "mma"), (64, "mma"), (1, "gemv_mma"), (64, "gemv_mma"))
     for m, kernel in ms + (() if smoke else more):
@@ -260,13 +262,13 @@ def bench_nvfp4(
         copies = n_copies(wbytes)
         ws = rand_nvfp4(n, k, copies, dev)
         peer_copies = n_copies(2 * n * k)
-        wbf = [nv.dequantize_nvfp4(*ws[j % copies]) for j in range(peer_copies)]
+        wbf = [fmt.dequantize_nvfp4(*ws[j % copies]) for j in range(peer_copies)]
         ms = GEMM_MS + ((PREFILL_M,) if dev == "cuda" else ())
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             outs = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             calls = 100 if m <= 64 else 20
-            workspace = nv.SplitKWorkspace.create(max(16, m) * n, 4096, dev)
+            workspace = splitk.SplitKWorkspace.create(max(16, m) * n, 4096, dev)
             kernels = ("gemv",) if m <= GEMV_MAX_BENCH_M else ()
             kernels += ("gemv_mma",) if m <= 16 else ()
             kernels += ("mma",) if m <= 64 else ()
@@ -411,7 +413,7 @@ def bench_fp8(dev: str, sweep: bool, records: list, best_cfgs: dict) -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             outs = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             calls = 100 if m <= 64 else 20
-            workspace = nv.SplitKWorkspace.create(max(16, m) * n, 4096, dev)
+            workspace = splitk.SplitKWorkspace.create(max(16, m) * n, 4096, dev)
             cfgs = [None]
             if sweep and m == 1:
                 bm = 16 if m <= 16 else 64
@@ -566,8 +568,8 @@ def bench_moe(dev: str, decode: int, sweep: bool, records: list, best_cfgs: dict
         # torch peer: loop over the touched experts with bf16 dequantized weights (one routing)
         r0, tw0 = routes[0], tws[0]
         experts = torch.unique(r0).tolist()
-        w13b = {e: nv.dequantize_nvfp4(w13[e], s13[e], g13[e]) for e in experts}
-        w2b = {e: nv.dequantize_nvfp4(w2[e], s2[e], g2[e]) for e in experts}
+        w13b = {e: fmt.dequantize_nvfp4(w13[e], s13[e], g13[e]) for e in experts}
+        w2b = {e: fmt.dequantize_nvfp4(w2[e], s2[e], g2[e]) for e in experts}
         sel = {e: (r0 == e).nonzero(as_tuple=True) for e in experts}
 
         def peer() -> None:

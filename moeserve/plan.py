@@ -275,14 +275,33 @@ def kernel_choices(
             else:
                 out.append(KernelChoice("routed experts", "per-expert loop", "CPU path"))
         else:
-            stored = "block-FP8" if fmt == "fp8-block" else "BF16"
-            if gpu:
+            fp8 = fmt == "fp8-block" and quant.moe_method(first_moe) is not None
+            stored = "block-FP8" if fp8 else "BF16"
+            block = getattr(getattr(quant, "scheme", None), "block", 128) if fp8 else 128
+            fused_ok = gpu and triton and (fp8_ok or not fp8) and block == 128
+            if fused_ok:
+                out.append(
+                    KernelChoice(
+                        "routed experts",
+                        f"fused Triton {stored} MoE",
+                        "one launch per projection for all experts"
+                        + ("; 128x128 block scales applied in-kernel" if fp8 else "")
+                        + "; capturable in CUDA graphs",
+                    )
+                )
+            elif gpu:
+                why = (
+                    f"the fused block-FP8 MoE needs {_sm(FP8_CONVERSION_CAPABILITY)}+ and "
+                    "128x128 blocks"
+                    if fp8
+                    else "the fused MoE needs the Triton kernels"
+                )
                 out.append(
                     KernelChoice(
                         "routed experts",
                         "per-expert loop (dequantize + cuBLAS)",
-                        f"no fused {stored} MoE kernel yet; the loop reads expert ids on the "
-                        "host, so decode cannot be captured in a CUDA graph",
+                        f"{why}; the loop reads expert ids on the host, so decode cannot be "
+                        "captured in a CUDA graph",
                         fallback=True,
                     )
                 )

@@ -105,6 +105,7 @@ class ModelRunner:
         self.max_rows = config.scheduler.max_num_seqs
         self.graphs: DecodeGraphs | None = None
         self._staging = Staging(self.device)
+        self.prefill_threads = self._prefill_threads()  # before the profiling step below
         self.memory = self._plan_memory(loaded, model_len)
         self.num_pages = self.memory.kv_pages
         self.max_model_len = min(model_len, self.num_pages * self.page_size)
@@ -118,7 +119,6 @@ class ModelRunner:
         self._decode_query_start = torch.arange(
             self.max_rows + 1, dtype=torch.int32, device=self.device
         )
-        self.prefill_threads = self._prefill_threads()
         self.graph_status = ""  # one line for the start-up banner ("" on a CPU)
         self.warm_up_status = ""
         if self.device.type == "cuda":

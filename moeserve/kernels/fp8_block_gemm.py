@@ -70,7 +70,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from moeserve.kernels.configs import tile_config  # noqa: E402
-from moeserve.kernels.nvfp4_gemm import (  # noqa: E402
+from moeserve.kernels.splitk import (  # noqa: E402
     SplitKWorkspace,
     _splitk_finish,
     choose_split_k,

@@ -29,16 +29,13 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.configs import max_rows, min_rows, tile_config
+from moeserve.kernels.nvfp4_format import NVFP4_BLOCK, dequantize_nvfp4
 from moeserve.kernels.nvfp4_gemm import (
-    ACC_FIX_EXP,
-    NVFP4_BLOCK,
     _dot_acc,
     _load_act_t,
     _load_decode_tile,
     default_decode,
-    dequantize_nvfp4,
     gemv_mma_enabled,
-    interpreting,
 )
 from moeserve.kernels.nvfp4_gemv import GEMV_F16_EXP, gemv_accumulate
 from moeserve.kernels.nvfp4_gemv_mma import (
@@ -47,6 +44,7 @@ from moeserve.kernels.nvfp4_gemv_mma import (
     mma_rows,
     mma_supported,
 )
+from moeserve.kernels.splitk import ACC_FIX_EXP, interpreting
 
 ALIGN_CHUNK = 1024  # slots handled per vector step inside the single-program align kernel
 ALIGN_BCHUNK = 32  # blocks per step when mapping blocks to experts ([32, E] compare)

@@ -1,108 +1,16 @@
-"""NVFP4 (ModelOpt layout) helpers and the weight-only W4A16 GEMM.
+"""The weight-only W4A16 NVFP4 GEMM on tensor cores, and `nvfp4_gemm`, the dispatcher that
+picks it or one of the GEMVs (nvfp4_gemv.py, nvfp4_gemv_mma.py) by row count.
 
-Layout of one quantized linear with weight [N, K] (K a multiple of 16), see shared/SPECS.md:
-  packed  uint8          [N, K/2]   two E2M1 codes per byte along K, element 2i in the LOW nibble
-  scale   float8_e4m3fn  [N, K/16]  one block scale per 16 elements
-  global  float32 scalar            amax(W) / (6*448); dequantization multiplies by it
-E2M1 code = sign<<3 | idx, idx 0..7 -> 0, 0.5, 1, 1.5, 2, 3, 4, 6.
-
-The torch functions here (``dequantize_nvfp4``, ``quantize_nvfp4``, ``nvfp4_gemm_ref``) are pure
-torch and run on the CPU; they are the oracle for the Triton kernel below them.
+The format (layout, E2M1 codes, quantize/dequantize) is nvfp4_format.py's; split-K and the
+other plumbing the kernels share is splitk.py's. ``nvfp4_gemm_ref`` is the pure-torch oracle
+for the kernels here.
 """
 
 from __future__ import annotations
 
 import torch
 
-E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0
-NVFP4_BLOCK = 16
-# Decision boundaries between neighbouring E2M1 magnitudes, and whether a tie goes UP
-# (round-half-to-even: a tie goes to the neighbour whose index is even).
-_E2M1_BOUNDS: tuple[float, ...] = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_E2M1_TIE_UP: tuple[bool, ...] = (False, True, False, True, False, True, False)
-
-
-def e2m1_table(
-    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """The 16 E2M1 values indexed by the 4-bit code (sign in bit 3)."""
-    mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    return torch.cat([mags, -mags]).to(device=device, dtype=dtype)
-
-
-def unpack_e2m1_codes(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., K/2] -> uint8 codes [..., K] (low nibble first)."""
-    lo = packed & 0x0F
-    hi = packed >> 4
-    return torch.stack([lo, hi], dim=-1).flatten(-2)
-
-
-def pack_e2m1_codes(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [..., K] (K even) -> uint8 [..., K/2], element 2i in the low nibble."""
-    pairs = codes.to(torch.uint8).unflatten(-1, (-1, 2))
-    return pairs[..., 0] | (pairs[..., 1] << 4)
-
-
-def dequantize_nvfp4(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    global_scale: torch.Tensor | float,
-    dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """packed uint8 [..., N, K/2], scale e4m3 [..., N, K/16], global fp32 scalar -> [..., N, K].
-
-    Leading batch dims (stacked experts) are allowed; a global scale with one value per
-    leading index ([E]) is broadcast over its expert.
-    """
-    if packed.dtype != torch.uint8:
-        raise TypeError(f"packed must be uint8, got {packed.dtype}")
-    k = packed.shape[-1] * 2
-    if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * NVFP4_BLOCK != k:
-        raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not match packed {tuple(packed.shape)}"
-        )
-    codes = unpack_e2m1_codes(packed).long()
-    vals = e2m1_table(packed.device)[codes]
-    block = scale.float().repeat_interleave(NVFP4_BLOCK, dim=-1)
-    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=packed.device)
-    gs = gs.reshape(gs.shape + (1,) * (packed.dim() - gs.dim()))  # [E] -> [E, 1, 1]
-    return (vals * block * gs).to(dtype)
-
-
-def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
-    """Non-negative fp32 values -> E2M1 magnitude index 0..7, round-half-to-even, saturating."""
-    idx = torch.zeros_like(x, dtype=torch.uint8)
-    for bound, tie_up in zip(_E2M1_BOUNDS, _E2M1_TIE_UP, strict=True):
-        idx += (x >= bound if tie_up else x > bound).to(torch.uint8)
-    return idx
-
-
-def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] (K a multiple of 16) -> (packed uint8 [N,K/2], scale e4m3 [N,K/16], global fp32 []).
-
-    ModelOpt convention: global = amax / (6*448); block scale = block_amax / (6*global) cast to
-    e4m3 (an all-zero block gets 1); code = round-half-to-even of w / (scale*global) on the E2M1
-    grid. An all-zero tensor gets global 1/(6*448) so that dequantization stays finite.
-    """
-    if w.dim() != 2 or w.shape[1] % NVFP4_BLOCK:
-        raise ValueError(f"quantize_nvfp4 wants [N, K] with K % 16 == 0, got {tuple(w.shape)}")
-    wf = w.float()
-    amax = wf.abs().amax()
-    gs = torch.where(amax > 0, amax, torch.ones_like(amax)) / (E2M1_MAX * E4M3_MAX)
-    blocks = wf.unflatten(1, (-1, NVFP4_BLOCK))  # [N, K/16, 16]
-    bmax = blocks.abs().amax(dim=-1)
-    scale = (bmax / (E2M1_MAX * gs)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    # All-zero blocks, and blocks so small that their scale underflowed e4m3, get scale 1:
-    # their codes then round to (nearly) zero instead of dividing by zero.
-    scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(bmax)).to(
-        torch.float8_e4m3fn
-    )
-    q = blocks / (scale.float() * gs).unsqueeze(-1)
-    idx = _e2m1_round(q.abs())
-    codes = idx | (((q < 0) & (idx > 0)).to(torch.uint8) << 3)  # no negative zero codes
-    return pack_e2m1_codes(codes.flatten(1)), scale, gs.to(torch.float32)
+from moeserve.kernels.nvfp4_format import NVFP4_BLOCK, dequantize_nvfp4
 
 
 def nvfp4_gemm_ref(
@@ -147,9 +55,17 @@ def nvfp4_gemm_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from moeserve.kernels.splitk import (  # noqa: E402
+    ACC_FIX_EXP,
+    SCALE_BIAS_EXP,
+    SplitKWorkspace,
+    _splitk_finish,
+    choose_split_k,
+    interpreting,
+    splitk_buffers,
+)
+
 # Jitted code may only read constexpr globals.
-SCALE_BIAS_EXP = tl.constexpr(118)  # block scale * 2^118 fits bf16 (448 * 2^118 < 2^127)
-ACC_FIX_EXP = tl.constexpr(8)  # 126 - 118: applied once to the accumulator
 FP16_BIAS_EXP = tl.constexpr(14)  # DECODE_BITS: fp16 bits give value * 2^-14
 SIGN_MASK2 = tl.constexpr(-2147450880)  # 0x80008000 as int32
 IDX_MASK2 = tl.constexpr(0x70007000)
@@ -325,24 +241,6 @@ def _dot_acc(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr, mask, SPLIT_K: tl.constexpr):
-    """Store acc [BLOCK_N, BLOCK_M] fp32 (already scaled) as out's dtype; with SPLIT_K > 1, add
-    into the fp32 workspace and let the last program of the tile write the output and re-zero
-    workspace and lock (so they stay zero between calls and CUDA-graph replays)."""
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
-        tl.debug_barrier()
-        count = tl.atomic_add(lock_ptr, 1, sem="acq_rel")
-        if count == SPLIT_K - 1:
-            total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
-            tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
-            tl.atomic_xchg(lock_ptr, 0)
-
-
-@triton.jit
 def _nvfp4_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -399,21 +297,16 @@ def _nvfp4_gemm_kernel(
 # Host wrappers
 # ----------------------------------------------------------------------------------------------
 
+import bisect  # noqa: E402
 import functools  # noqa: E402
 import logging  # noqa: E402
-import os  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-from moeserve.kernels.configs import max_rows, min_rows, tile_config  # noqa: E402
+from moeserve.kernels import nvfp4_gemv as _gemv  # noqa: E402
+from moeserve.kernels import nvfp4_gemv_mma as _gemv_mma  # noqa: E402
+from moeserve.kernels.configs import TILE_CONFIGS, max_rows, min_rows, tile_config  # noqa: E402
 
 log = logging.getLogger(__name__)
-
-CTAS_PER_SM_TARGET = 4  # split-K aims at this many programs per SM so HBM sees enough requests
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (CPU interpreter: no inline PTX)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 PROBE_SHAPE = (16, 96, 512)  # (M, N, K) of the one-time decode self-check
@@ -466,13 +359,13 @@ def probe_gemv_mma(device: torch.device) -> bool:
     per device; call it before CUDA-graph capture."""
     if device.type != "cuda":
         return False
-    from moeserve.kernels.nvfp4_gemv_mma import nvfp4_gemv_mma
-
     x, packed, scale, gs = _probe_case(device)
     ref = nvfp4_gemm_ref(x, packed, scale, gs)
     try:
         cfg = {"BLOCK_N": 32, "SPLIT_K": 0, "num_warps": 4}
-        y = nvfp4_gemv_mma(x, packed, scale, gs.reshape(1), torch.empty_like(ref), None, cfg)
+        y = _gemv_mma.nvfp4_gemv_mma(
+            x, packed, scale, gs.reshape(1), torch.empty_like(ref), None, cfg
+        )
         if torch.equal(y, ref):
             return True
         log.warning("NVFP4 MMA GEMV is not exact on %s; using the CUDA-core GEMV", device)
@@ -502,69 +395,66 @@ def default_decode(device: torch.device | None = None) -> int:
     return probe_decode(device)
 
 
-@functools.lru_cache(maxsize=8)
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter: pretend an H200 so split-K paths get exercised
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@dataclass(frozen=True)
-class SplitKWorkspace:
-    """Zeroed fp32 partial sums and int32 tile counters for split-K; kernels leave them zeroed,
-    so one workspace serves any number of sequential calls (and CUDA-graph replays)."""
-
-    partial: torch.Tensor  # fp32 [capacity] >= M*N
-    locks: torch.Tensor  # int32 [tiles] >= number of output tiles
-
-    @staticmethod
-    def create(max_elems: int, max_tiles: int, device: torch.device | str) -> SplitKWorkspace:
-        return SplitKWorkspace(
-            torch.zeros(max_elems, dtype=torch.float32, device=device),
-            torch.zeros(max_tiles, dtype=torch.int32, device=device),
-        )
-
-
-def splitk_buffers(
-    split: int, workspace: SplitKWorkspace | None, elems: int, tiles: int, out: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partials, tile counters) for a launch that splits K `split` ways: the caller's
-    workspace (checked to fit) or a fresh zeroed one; unused placeholders when split == 1."""
-    if split == 1:
-        return out, out
-    if workspace is None:
-        workspace = SplitKWorkspace.create(elems, tiles, out.device)
-    if workspace.partial.numel() < elems or workspace.locks.numel() < tiles:
-        raise ValueError("split-K workspace too small for this GEMM")
-    return workspace.partial, workspace.locks
-
-
-def choose_split_k(cfg_split: int, tiles: int, k_tiles: int, device: torch.device) -> int:
-    """Config value if > 0, else enough K-splits to reach CTAS_PER_SM_TARGET programs per SM
-    (each split keeping >= 2 K-iterations)."""
-    if cfg_split > 0:
-        return max(1, min(cfg_split, k_tiles))
-    want = -(-CTAS_PER_SM_TARGET * sm_count(device) // max(tiles, 1))
-    return max(1, min(want, k_tiles // 2))
-
-
 def _default_kernel(m: int, key: str, packed: torch.Tensor, device: torch.device) -> str:
     """By row count, from tiles.json: the register-fed MMA GEMV between "nvfp4_gemv_mma"'s
     min_m and max_m (where the shape allows it and the start-up probe passed), else the
     CUDA-core GEMV up to "nvfp4_gemv"'s rows; dequantize+cuBLAS from "nvfp4_dequant"'s min_m;
     the tensor-core GEMM between."""
     if min_rows("nvfp4_gemv_mma", key) <= m <= max_rows("nvfp4_gemv_mma", key):
-        from moeserve.kernels.nvfp4_gemv_mma import mma_supported
-
         n, k = packed.shape[0], packed.shape[1] * 2
         bn = tile_config("nvfp4_gemv_mma", m, key)["BLOCK_N"]
-        if mma_supported(n, k, bn, packed) and gemv_mma_enabled(device):
+        if _gemv_mma.mma_supported(n, k, bn, packed) and gemv_mma_enabled(device):
             return "gemv_mma"
     if m <= max_rows("nvfp4_gemv", key):
         return "gemv"
     if m >= min_rows("nvfp4_dequant", key):
         return "dequant"
     return "mma"
+
+
+# The tiles.json table each kernel of nvfp4_gemm reads its config from.
+_TABLE = {
+    "gemv_mma": "nvfp4_gemv_mma",
+    "gemv": "nvfp4_gemv",
+    "dequant": "nvfp4_dequant",
+    "mma": "nvfp4_gemm",
+}
+
+
+@dataclass(frozen=True)
+class Nvfp4GemmPlan:
+    """nvfp4_gemm's choices for one weight on one device, made once (at engine start) so that
+    a call only looks its row count up: the decode mode, and (kernel, tile config) for the row
+    ranges ..bounds[0], (bounds[0], bounds[1]], ..., above bounds[-1]. The configs are shared
+    between calls: read them, never modify them."""
+
+    decode: int
+    bounds: tuple[int, ...]
+    choices: tuple[tuple[str, dict[str, int]], ...]  # len(bounds) + 1
+
+    def pick(self, m: int) -> tuple[str, dict[str, int]]:
+        return self.choices[bisect.bisect_left(self.bounds, m)]
+
+
+def plan_nvfp4_gemm(packed: torch.Tensor) -> Nvfp4GemmPlan:
+    """What nvfp4_gemm with kernel=None, config=None, decode=None would choose for this weight
+    (packed uint8 [N, K/2] on its device) at every row count; runs the one-time device probes,
+    so build it before CUDA-graph capture.
+
+    Every choice is a step function of the row count that can only change past an entry's
+    max_m or below a table's min_m, so evaluating it at those cuts covers all row counts."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    key = f"{n}x{k}"
+    cuts = {min_rows("nvfp4_gemv_mma", key) - 1, min_rows("nvfp4_dequant", key) - 1}
+    for table in _TABLE.values():
+        entries = TILE_CONFIGS[table]
+        cuts.update(e["max_m"] for e in entries.get(key, entries["default"]))
+    bounds = tuple(sorted(c for c in cuts if c >= 1))
+    choices = []
+    for m in (*bounds, bounds[-1] + 1):
+        kernel = _default_kernel(m, key, packed, packed.device)
+        choices.append((kernel, tile_config(_TABLE[kernel], m, key)))
+    return Nvfp4GemmPlan(default_decode(packed.device), bounds, tuple(choices))
 
 
 def _as_scalar_tensor(v: torch.Tensor | float, device: torch.device) -> torch.Tensor:
@@ -582,6 +472,7 @@ def nvfp4_gemm(
     config: dict[str, int] | None = None,
     decode: int | None = None,
     kernel: str | None = None,
+    plan: Nvfp4GemmPlan | None = None,
 ) -> torch.Tensor:
     """W4A16 GEMM: x [M, K] bf16 @ dequant(W [N, K])^T -> out [M, N] bf16 (fp32 accumulate).
 
@@ -590,7 +481,8 @@ def nvfp4_gemm(
     when the chosen config splits K; without it a zeroed one is allocated per call.
     `kernel`: "gemv" (CUDA cores, nvfp4_gemv.py), "gemv_mma" (register-fed mma.sync,
     nvfp4_gemv_mma.py, GPU only), "mma" (tensor cores, below), "dequant" (bf16 weight chunks +
-    cuBLAS) or None: see _default_kernel.
+    cuBLAS) or None: see _default_kernel. `plan` (plan_nvfp4_gemm of this weight) stands for
+    the choices made when kernel, config or decode are None.
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with unit stride along K, got {tuple(x.shape)}")
@@ -617,27 +509,25 @@ def nvfp4_gemm(
         raise ValueError(f"out must be [{m}, {n}] with unit stride, got {tuple(out.shape)}")
     if m == 0:
         return out
-    dec = default_decode(x.device) if decode is None else decode
     gs = _as_scalar_tensor(global_scale, x.device)
-    key = f"{n}x{k}"
-    if kernel is None:
-        kernel = _default_kernel(m, key, packed, x.device)
-    if kernel == "gemv_mma":
-        from moeserve.kernels.nvfp4_gemv_mma import nvfp4_gemv_mma
-
-        cfg = config or tile_config("nvfp4_gemv_mma", m, key)
-        return nvfp4_gemv_mma(x, packed, scale, gs, out, workspace, cfg)
-    if kernel in ("gemv", "dequant"):
-        from moeserve.kernels.nvfp4_gemv import nvfp4_dequant_matmul, nvfp4_gemv
-
-        if kernel == "gemv":
-            cfg = config or tile_config("nvfp4_gemv", m, key)
-            return nvfp4_gemv(x, packed, scale, gs, out, workspace, cfg, dec)
-        cfg = config or tile_config("nvfp4_dequant", m, key)
-        return nvfp4_dequant_matmul(x, packed, scale, gs, out, cfg, dec)
-    if kernel != "mma":
+    planned: dict[str, int] | None = None
+    if plan is not None:
+        dec = plan.decode if decode is None else decode
+        if kernel is None:
+            kernel, planned = plan.pick(m)
+    else:
+        dec = default_decode(x.device) if decode is None else decode
+        if kernel is None:
+            kernel = _default_kernel(m, f"{n}x{k}", packed, x.device)
+    if kernel not in _TABLE:
         raise ValueError(f"unknown NVFP4 kernel {kernel!r}")
-    cfg = config or tile_config("nvfp4_gemm", m, f"{n}x{k}")
+    cfg = config or planned or tile_config(_TABLE[kernel], m, f"{n}x{k}")
+    if kernel == "gemv_mma":
+        return _gemv_mma.nvfp4_gemv_mma(x, packed, scale, gs, out, workspace, cfg)
+    if kernel == "gemv":
+        return _gemv.nvfp4_gemv(x, packed, scale, gs, out, workspace, cfg, dec)
+    if kernel == "dequant":
+        return _gemv.nvfp4_dequant_matmul(x, packed, scale, gs, out, cfg, dec)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid_n, grid_m = triton.cdiv(n, bn), triton.cdiv(m, bm)
     k_tiles = triton.cdiv(k, bk)

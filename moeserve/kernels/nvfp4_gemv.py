@@ -13,7 +13,7 @@ signs at bits 15/31 and `t = (q << (9-4j)) & 0x0E000E00` puts (e1 e0 m) at bits 
 `x & 0x80008000 | t` read as f16x2 is the two E2M1 values times 2^-14 (e=0 lands on an f16
 subnormal, which f16 -> f32 conversion keeps exactly). The 2^14 is folded into the global scale.
 
-Layouts are nvfp4_gemm.py's (ModelOpt): packed uint8 [N, K/2] viewed as int32 [N, K/8], scales
+Layouts are nvfp4_format.py's (ModelOpt): packed uint8 [N, K/2] viewed as int32 [N, K/8], scales
 e4m3 [N, K/16], one fp32 global scale; K a multiple of 16 (tiles past K load as zeros).
 """
 
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.nvfp4_gemm import SplitKWorkspace, choose_split_k, splitk_buffers
+from moeserve.kernels.splitk import SplitKWorkspace, choose_split_k, splitk_buffers
 
 GEMV_F16_EXP = tl.constexpr(14)  # decoded f16 values are E2M1 * 2^-14
 

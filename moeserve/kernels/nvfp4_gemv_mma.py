@@ -19,8 +19,8 @@ accumulators are summed afterwards with reshapes that follow that mapping. Trito
 layout when the launch is specialised on K % 16 == 0 and a 16-byte aligned weight (2-word
 vectors; seen in the sm_90a TTGIR of every config used); without the specialisation it picks
 single words and the result would be wrong, so the host wrappers check both, and
-`probe_decode` runs this kernel on a one-hot case at start-up and falls back to the CUDA-core
-GEMV when it is not bit-exact.
+`probe_gemv_mma` (nvfp4_gemm.py) runs this kernel on a one-hot case at start-up and falls back
+to the CUDA-core GEMV when it is not bit-exact.
 
 The E2M1 -> bf16 decode and block-scale multiply are nvfp4_gemm.py's (value * scale * 2^-8);
 the scale byte and the 16 bytes of activations per word are loaded inside the asm, so the
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.nvfp4_gemm import (
+from moeserve.kernels.splitk import (
     ACC_FIX_EXP,
     SplitKWorkspace,
     choose_split_k,

@@ -283,19 +283,39 @@ class RoutedExperts(nn.Module):
         self.w13 = ExpertBank(scheme, self.layout, 2, intermediate, hidden, "out", dtype)
         self.w2 = ExpertBank(scheme, self.layout, 1, hidden, intermediate, "in", dtype)
         self._dtype = dtype  # activations
-        self._kernel_args: tuple[torch.Tensor, ...] | None = None
+        self._nvfp4_args: tuple[torch.Tensor, ...] | None = None
+        self._elementwise_args: tuple[torch.Tensor | None, ...] | None = None
 
     def process_weights_after_loading(self) -> None:
-        """NVFP4 on a GPU: one global scale per expert for gate+up (the fused kernel's
-        contract), folded in place into the block scales, and the kernel's argument views."""
-        self._kernel_args = None
+        """Choose the GPU kernel once: the fused NVFP4 MoE (`_nvfp4_args`) or the fused
+        block-FP8 / 16-bit MoE (`_elementwise_args`); neither on CPUs (the expert loop)."""
+        self._nvfp4_args = self._elementwise_args = None
+        w13 = self.w13.view()
+        first = next(iter(w13.values()))
+        if first.device.type != "cuda" or not gpu_kernels_enabled(first.device):
+            return
+        e13 = self.w13.scheme.elementwise_view(w13)
+        e2 = self.w2.scheme.elementwise_view(self.w2.view())
+        if e13 is not None and e2 is not None:
+            from moeserve.kernels.moe_fp8 import check_fp8_moe_shapes
+
+            try:
+                check_fp8_moe_shapes(*e13, *e2)
+            except ValueError as e:
+                log.warning("MoE: the per-expert loop serves these experts (%s)", e)
+                return
+            self._elementwise_args = (*e13, *e2)
+            return
+        self._nvfp4_args = self._nvfp4_kernel_args()
+
+    def _nvfp4_kernel_args(self) -> tuple[torch.Tensor, ...] | None:
+        """NVFP4: one global scale per expert for gate+up (the fused kernel's contract),
+        folded in place into the block scales, and the kernel's argument views."""
         v13 = self.w13.scheme.nvfp4_view(self.w13.view())
         v2 = self.w2.scheme.nvfp4_view(self.w2.view())
         if v13 is None or v2 is None:
-            return
+            return None
         (p13, s13, g13), (p2, s2, g2) = v13, v2
-        if p13.device.type != "cuda" or not gpu_kernels_enabled(p13.device):
-            return
         g13 = g13.float().reshape(self.layout.num_local, 2)
         gs = g13.amax(dim=1)
         if not torch.equal(g13[:, 0], g13[:, 1]):
@@ -305,7 +325,7 @@ class RoutedExperts(nn.Module):
                 half = s13[:, part * rows : (part + 1) * rows]
                 ratio = (g13[:, part] / gs)[:, None, None]
                 half.copy_((half.float() * ratio).to(half.dtype))
-        self._kernel_args = (p13, s13, gs.contiguous(), p2, s2, g2.float().reshape(-1).contiguous())
+        return (p13, s13, gs.contiguous(), p2, s2, g2.float().reshape(-1).contiguous())
 
     def to_local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> this rank's (out of [0, E_local) for other ranks' experts)."""
@@ -313,9 +333,10 @@ class RoutedExperts(nn.Module):
 
     @property
     def supports_cuda_graph(self) -> bool:
-        """Only the fused NVFP4 kernel (bf16 activations) is capturable: the expert loop reads
-        ids on the host."""
-        return self._kernel_args is not None and self._dtype == torch.bfloat16
+        """The fused kernels (bf16 activations) are capturable; the expert loop reads ids on
+        the host."""
+        fused = self._nvfp4_args is not None or self._elementwise_args is not None
+        return fused and self._dtype == torch.bfloat16
 
     def forward(
         self,
@@ -328,14 +349,26 @@ class RoutedExperts(nn.Module):
         w * expert(x) [T, H] (this rank's partial), plus `add_to` (the shared expert's output,
         added in the kernel's combine step on GPUs; `add_to` may be overwritten)."""
         local = self.to_local_ids(ids)
-        if self._kernel_args is not None and x.is_cuda and x.dtype == torch.bfloat16:
+        fused = x.is_cuda and x.dtype == torch.bfloat16
+        if fused and self._nvfp4_args is not None:
             from moeserve.kernels.moe import fused_moe_nvfp4
 
             return fused_moe_nvfp4(
                 x.contiguous(),
                 local,
                 weights.float(),
-                *self._kernel_args,
+                *self._nvfp4_args,
+                out=add_to,
+                accumulate=add_to is not None,
+            )
+        if fused and self._elementwise_args is not None:
+            from moeserve.kernels.moe_fp8 import fused_moe_fp8
+
+            return fused_moe_fp8(
+                x.contiguous(),
+                local,
+                weights,
+                *self._elementwise_args,
                 out=add_to,
                 accumulate=add_to is not None,
             )

@@ -38,14 +38,14 @@ import torch
 from safetensors.torch import save_file
 
 from moeserve.kernels.fp8_block_gemm import dequantize_fp8_block, quantize_fp8_block
-from moeserve.kernels.nvfp4_gemm import (
+from moeserve.kernels.nvfp4_format import (
     E2M1_MAX,
     E4M3_MAX,
     NVFP4_BLOCK,
     dequantize_nvfp4,
-    pack_e2m1_codes,
+    nvfp4_global_scale,
+    quantize_nvfp4_with_global,
 )
-from moeserve.kernels.nvfp4_gemm import _e2m1_round as e2m1_round_index
 
 LIKES = ("kimi-k2.5", "deepseek-v3", "moonlight")
 FORMATS = ("bf16", "fp8-block", "nvfp4-modelopt", "nvfp4-ct")
@@ -423,24 +423,7 @@ def _quantized_modules(like: str, fmt: str, text: dict[str, Any], name: str) -> 
     return True
 
 
-def _modelopt_global(amax: torch.Tensor) -> torch.Tensor:
-    return (torch.where(amax > 0, amax, torch.ones_like(amax)) / (E2M1_MAX * E4M3_MAX)).float()
-
-
-def quantize_nvfp4_with_global(
-    w: torch.Tensor, gs: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """ModelOpt rounding with a given global scale (gate/up share one): block scale =
-    block_amax / (6 * global) cast to e4m3 (zero -> 1); codes round-half-to-even on E2M1."""
-    blocks = w.float().unflatten(1, (-1, NVFP4_BLOCK))
-    bmax = blocks.abs().amax(-1)
-    scale = (bmax / (E2M1_MAX * gs)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    scale = torch.where(scale.float() > 0, scale.float(), torch.ones_like(bmax)).to(
-        torch.float8_e4m3fn
-    )
-    q = blocks / (scale.float() * gs).unsqueeze(-1)
-    codes = e2m1_round_index(q.abs()) | ((q < 0).to(torch.uint8) << 3)
-    return pack_e2m1_codes(codes.flatten(1)), scale
+_modelopt_global = nvfp4_global_scale  # the name tests/models/test_merged_qkv_a.py imports
 
 
 def _quantize_group(
@@ -455,7 +438,7 @@ def _quantize_group(
             stored[f"{n}.weight"], stored[f"{n}.weight_scale_inv"] = q, s
             truth[n] = dequantize_fp8_block(q, s, torch.float32, FP8_WEIGHT_BLOCK)
         return stored, truth
-    gs = _modelopt_global(torch.stack([w.float().abs().amax() for w in ws.values()]).amax())
+    gs = nvfp4_global_scale(torch.stack([w.float().abs().amax() for w in ws.values()]).amax())
     act = (0.5 + torch.rand((), generator=gen)) / (E2M1_MAX * E4M3_MAX)  # activation global
     for n, w in ws.items():
         packed, scale = quantize_nvfp4_with_global(w, gs)

@@ -82,6 +82,8 @@ def _compare(ref: list[list], got: list[list]) -> list[str]:
         ("kimi-k2.5", "nvfp4-modelopt", "bf16"),
         ("kimi-k2.5", "nvfp4-modelopt", "fp8"),
         ("deepseek-v3", "nvfp4-modelopt", "bf16"),  # + NVFP4 GEMMs (shared experts)
+        ("deepseek-v3", "fp8-block", "bf16"),  # the fused block-FP8 MoE
+        ("deepseek-v3", "bf16", "bf16"),  # the same kernel on 16-bit experts
     ],
 )
 def test_graph_decode_matches_eager(tmp_path, like, fmt, kv):

@@ -139,3 +139,29 @@ def test_gpu_fp8_block_linears_match_cpu_reference(tmp_path, monkeypatch):
     assert calls[0] > 0
     tol = 2 * max(floor[0], floor[1]) + 0.02
     assert gpu[0] <= tol and gpu[1] <= tol
+
+
+def test_gpu_fp8_block_moe_in_graphs_matches_cpu_reference(tmp_path, monkeypatch):
+    """DeepSeek block-FP8 at the kernel shape (intermediate 128): the fused block-FP8 MoE runs,
+    decode is captured in CUDA graphs, and the tokens follow the fp32 CPU reference."""
+    path = str(tmp_path / "dsv3k")
+    write_checkpoint(path, "deepseek-v3", "fp8-block", shape=SHAPE, seed=3)
+    calls = _count_calls(monkeypatch, "moeserve.kernels.moe_fp8", "fused_moe_fp8")
+    kw = dict(max_model_len=256)
+    cpu = LLM(path, device="cpu", dtype="float32", **kw)
+    prompts = [cpu.tokenizer.encode(t, add_special_tokens=False) for t in ("Hello there", "abc")]
+    ref = cpu.generate(
+        prompts,
+        SamplingParams(
+            max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=0
+        ),
+    )
+    floor = _compare(prompts, ref, LLM(path, device="cpu", dtype="bfloat16", **kw))
+    gpu_llm = LLM(path, device="cuda", dtype="bfloat16", **kw)
+    assert gpu_llm.engine.runner.graphs is not None, gpu_llm.engine.runner.graph_status
+    gpu = _compare(prompts, ref, gpu_llm)
+    print(f"fp8-block MoE: {calls[0]} fused_moe_fp8 calls; cpu-bf16 {floor}; gpu-bf16 {gpu}")
+    assert calls[0] > 0
+    tol = 2 * max(floor[0], floor[1]) + 0.02
+    assert gpu[0] <= tol and gpu[1] <= tol
+    assert min(gpu[2]) >= min(min(floor[2]), STEPS // 2) or min(gpu[2]) == STEPS

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moeserve.kernels import moe
+from moeserve.kernels import nvfp4_format as fmt
 from moeserve.kernels import nvfp4_gemm as nv
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -30,7 +31,7 @@ def test_probes_pass():
 def test_gemm_paths(kernel, m):
     torch.manual_seed(m)
     n, k = 384, 1536  # N a multiple of every tile, K of the MMA GEMV's 256-wide steps
-    packed, scale, gs = nv.quantize_nvfp4(torch.randn(n, k, device="cuda") * 0.02)
+    packed, scale, gs = fmt.quantize_nvfp4(torch.randn(n, k, device="cuda") * 0.02)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = nv.nvfp4_gemm(x, packed, scale, gs, kernel=kernel)
     _close(y, nv.nvfp4_gemm_ref(x, packed, scale, gs))
@@ -41,8 +42,8 @@ def test_gemm_paths(kernel, m):
 def test_moe_paths(kernel, m):
     torch.manual_seed(100 + m)
     e, h, i, topk = 12, 512, 256, 4
-    parts13 = [nv.quantize_nvfp4(torch.randn(2 * i, h, device="cuda") * 0.05) for _ in range(e)]
-    parts2 = [nv.quantize_nvfp4(torch.randn(h, i, device="cuda") * 0.05) for _ in range(e)]
+    parts13 = [fmt.quantize_nvfp4(torch.randn(2 * i, h, device="cuda") * 0.05) for _ in range(e)]
+    parts2 = [fmt.quantize_nvfp4(torch.randn(h, i, device="cuda") * 0.05) for _ in range(e)]
     w13, s13, g13 = (torch.stack([p[j] for p in parts13]) for j in range(3))
     w2, s2, g2 = (torch.stack([p[j] for p in parts2]) for j in range(3))
     ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(m)]).int()

@@ -8,12 +8,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from moeserve.kernels import moe  # noqa: E402
-from moeserve.kernels.nvfp4_gemm import (  # noqa: E402
-    DECODE_ARITH,
-    DECODE_BITS,
-    dequantize_nvfp4,
-    quantize_nvfp4,
-)
+from moeserve.kernels.nvfp4_format import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
+from moeserve.kernels.nvfp4_gemm import DECODE_ARITH, DECODE_BITS  # noqa: E402
 
 
 def _stack(e, n, k, gen):

@@ -9,7 +9,9 @@ import logging  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from moeserve.kernels import nvfp4_format as fmt  # noqa: E402
 from moeserve.kernels import nvfp4_gemm as nv  # noqa: E402
+from moeserve.kernels import splitk  # noqa: E402
 from moeserve.kernels.select import select_kernel  # noqa: E402
 
 # Hand-written E2M1 table (OCP MX spec): code -> value, sign in bit 3.
@@ -45,11 +47,11 @@ def e2m1_oracle(v: float) -> int:
 
 
 def test_table_and_unpack_order():
-    assert nv.e2m1_table().tolist() == [E2M1[c] for c in range(16)]
+    assert fmt.e2m1_table().tolist() == [E2M1[c] for c in range(16)]
     # byte 0x9A: low nibble 0xA (-1.0) is element 0, high nibble 0x9 (-0.5) element 1
     packed = torch.tensor([[0x9A, 0x07]], dtype=torch.uint8).repeat(1, 4)
     scale = torch.full((1, 1), 2.0).to(torch.float8_e4m3fn)
-    w = nv.dequantize_nvfp4(packed, scale, 0.5, torch.float32)
+    w = fmt.dequantize_nvfp4(packed, scale, 0.5, torch.float32)
     assert w[0, :4].tolist() == [-1.0, -0.5, 6.0, 0.0]
 
 
@@ -76,9 +78,9 @@ def test_quantizer_rounding_matches_oracle():
             0.1,
         ]
     )
-    packed, scale, gs = nv.quantize_nvfp4(w)
+    packed, scale, gs = fmt.quantize_nvfp4(w)
     assert gs.item() == pytest.approx(w.abs().max().item() / (6 * 448))
-    codes = nv.unpack_e2m1_codes(packed)
+    codes = fmt.unpack_e2m1_codes(packed)
     bmax = w.abs().unflatten(1, (-1, 16)).amax(-1)
     want_scale = (bmax / (6 * gs)).to(torch.float8_e4m3fn).float()
     assert torch.equal(scale.float(), want_scale)
@@ -110,9 +112,9 @@ def test_quantizer_tie_rounding_exact():
             -6.0,
         ]
     )
-    packed, scale, gs = nv.quantize_nvfp4(ties[None, :])
+    packed, scale, gs = fmt.quantize_nvfp4(ties[None, :])
     assert scale.float().item() * gs.item() == pytest.approx(1.0, rel=1e-6)
-    deq = nv.dequantize_nvfp4(packed, scale, gs, torch.float32)[0]
+    deq = fmt.dequantize_nvfp4(packed, scale, gs, torch.float32)[0]
     want = torch.tensor(
         [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0, -6.0]
     )
@@ -125,27 +127,27 @@ def test_round_trip_exact_on_grid():
     codes[:, 0] = 7  # every block holds a 6 so the block amax pins the scale
     codes[:, 16] = 15
     block = torch.tensor([1.0, 0.5, 2.0, 0.25, 4.0, 1.0])[:, None].repeat(1, 2)
-    w = nv.e2m1_table()[codes.long()] * block.repeat_interleave(16, 1)
-    packed, scale, gs = nv.quantize_nvfp4(w)
+    w = fmt.e2m1_table()[codes.long()] * block.repeat_interleave(16, 1)
+    packed, scale, gs = fmt.quantize_nvfp4(w)
     torch.testing.assert_close(
-        nv.dequantize_nvfp4(packed, scale, gs, torch.float32), w, rtol=1e-6, atol=0
+        fmt.dequantize_nvfp4(packed, scale, gs, torch.float32), w, rtol=1e-6, atol=0
     )
 
 
 def test_zero_tensor_and_zero_block():
     w = torch.zeros(2, 32)
     w[1, 20] = 3.0
-    packed, scale, gs = nv.quantize_nvfp4(w)
+    packed, scale, gs = fmt.quantize_nvfp4(w)
     assert torch.isfinite(gs) and gs.item() > 0
     assert scale.float()[0].tolist() == [1.0, 1.0]
-    torch.testing.assert_close(nv.dequantize_nvfp4(packed, scale, gs, torch.float32), w)
+    torch.testing.assert_close(fmt.dequantize_nvfp4(packed, scale, gs, torch.float32), w)
 
 
 def _case(m, n, k, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    return x, *nv.quantize_nvfp4(w)
+    return x, *fmt.quantize_nvfp4(w)
 
 
 def _assert_matches_ref(y, x, packed, scale, gs):
@@ -214,7 +216,7 @@ def test_gemv_is_the_default_for_one_row(monkeypatch):
 
 def test_splitk_workspace_left_zero_and_reusable():
     x, packed, scale, gs = _case(2, 48, 256, seed=3)
-    ws = nv.SplitKWorkspace.create(2 * 48, 64, "cpu")
+    ws = splitk.SplitKWorkspace.create(2 * 48, 64, "cpu")
     cfg = dict(SMALL, SPLIT_K=4)
     out = torch.empty(2, 48, dtype=torch.bfloat16)
     y1 = nv.nvfp4_gemm(x, packed, scale, gs, out=out, workspace=ws, config=cfg).clone()
@@ -253,7 +255,7 @@ def test_probe_case_is_exact(decode):
     assert torch.equal(nv.nvfp4_gemm(x, packed, scale, gs, decode=decode, kernel="gemv"), ref)
     cols = x.float().argmax(1)
     assert set((cols % 8).tolist()) == set(range(8))
-    assert set(nv.unpack_e2m1_codes(packed)[:, cols].flatten().tolist()) == set(range(16))
+    assert set(fmt.unpack_e2m1_codes(packed)[:, cols].flatten().tolist()) == set(range(16))
     assert nv.default_decode(torch.device("cpu")) == nv.DECODE_ARITH
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moeserve.kernels.nvfp4_gemm import dequantize_nvfp4
+from moeserve.kernels.nvfp4_format import dequantize_nvfp4
 from moeserve.layers.quant.base import UnquantizedLinearMethod
 from moeserve.layers.quant.scheme import SchemeLinearMethod
 from moeserve.loader.safetensors import load_safetensors_model

@@ -216,6 +216,7 @@ def test_mla_scratch_views_match_the_kernel_default_and_padding_reads_nothing():
 
 @pytest.mark.parametrize(("m", "kernel"), [(3, "gemv"), (3, "mma"), (17, "mma")])
 def test_shared_splitk_workspace_fits_the_kernels(m, kernel):
+    import moeserve.kernels.nvfp4_format as fmt
     import moeserve.kernels.nvfp4_gemm as nv
 
     shared: dict = {}
@@ -226,7 +227,7 @@ def test_shared_splitk_workspace_fits_the_kernels(m, kernel):
     if not _interpreted(nv._nvfp4_gemm_kernel):
         pytest.skip("the NVFP4 kernels are compiled for a GPU here (tests/gpu cover them)")
     gen = torch.Generator().manual_seed(m)
-    packed, scale, gs = nv.quantize_nvfp4(torch.randn(48, 256, generator=gen))
+    packed, scale, gs = fmt.quantize_nvfp4(torch.randn(48, 256, generator=gen))
     x = torch.randn(m, 256, generator=gen).to(torch.bfloat16)
     if kernel == "gemv":
         cfg = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, num_warps=4, num_stages=1)

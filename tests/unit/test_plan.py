@@ -193,6 +193,14 @@ def test_cli_model_that_does_not_fit(capsys):
     assert re.search(r"block-FP8 linears\s+torch \(dequantize \+ cuBLAS\) \(fallback", out)
 
 
+def test_deepseek_fp8_experts_fused_and_captured(capsys):
+    rc, out = _run(capsys, DSV3, "--gpu", "h200", "--num-gpus", "8")
+    assert rc == 0, out
+    assert re.search(r"routed experts\s+fused Triton block-FP8 MoE", out)
+    assert re.search(r"CUDA graphs\s+decode replayed", out)
+    assert "fallbacks: 0" in out
+
+
 def test_cli_usage_errors(capsys):
     rc, out = _run(capsys, KIMI, "--gpu", "h200", "--num-gpus", "4", "-tp", "8")
     assert rc == 2 and "needs 8 GPUs" in out
@@ -269,8 +277,11 @@ def test_choices_small_mla_layout_and_bf16_experts_and_cpu():
     )  # fmt: skip
     c = _by_what(plan.kernel_choices(cfg, NoQuant(), (9, 0), torch.bfloat16, "nvlink"))
     assert c["MLA decode"].choice.startswith("torch") and "512+64" in c["MLA decode"].reason
-    assert c["routed experts"].choice.startswith("per-expert loop") and c["routed experts"].fallback
-    assert "MLA decode" in c["CUDA graphs"].reason and "routed experts" in c["CUDA graphs"].reason
+    assert c["routed experts"].choice == "fused Triton BF16 MoE"
+    assert not c["routed experts"].fallback
+    assert (
+        "MLA decode" in c["CUDA graphs"].reason and "routed experts" not in c["CUDA graphs"].reason
+    )
     cpu = plan.kernel_choices(cfg, NoQuant(), None, torch.float8_e4m3fn, None, tp_size=2)
     assert not any(x.fallback for x in cpu)
     assert _by_what(cpu)["all-reduce"].choice == "gloo"

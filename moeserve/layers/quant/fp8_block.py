@@ -8,7 +8,7 @@ import logging
 import torch
 
 from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block
-from moeserve.kernels.nvfp4_gemm import SplitKWorkspace
+from moeserve.kernels.splitk import SplitKWorkspace
 from moeserve.layers.quant.base import LinearMethod, QuantConfig, UnquantizedLinearMethod
 from moeserve.layers.quant.scheme import SchemeLinearMethod, TensorSpec, WeightScheme
 
@@ -41,6 +41,13 @@ class Fp8BlockScheme(WeightScheme):
 
     def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8_block(t["weight"], t["weight_scale_inv"], dtype, self.block)
+
+    def elementwise_view(
+        self, t: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        if self.block != FP8_BLOCK or t["weight"].dtype != torch.float8_e4m3fn:
+            return None
+        return t["weight"], t["weight_scale_inv"]
 
     def has_gpu_matmul(self, t: dict[str, torch.Tensor]) -> bool:
         return self.block == FP8_BLOCK  # the Triton kernel is written for 128x128 blocks

@@ -17,10 +17,17 @@ import logging
 import re
 
 import torch
+from torch import nn
 
-from moeserve.kernels.nvfp4_gemm import NVFP4_BLOCK, dequantize_nvfp4
+from moeserve.kernels.nvfp4_format import NVFP4_BLOCK, dequantize_nvfp4
 from moeserve.layers.quant.base import LinearMethod, QuantConfig, UnquantizedLinearMethod
-from moeserve.layers.quant.scheme import SchemeLinearMethod, TensorSpec, WeightScheme
+from moeserve.layers.quant.scheme import (
+    SchemeLinearMethod,
+    TensorSpec,
+    WeightScheme,
+    gpu_kernels_enabled,
+    splitk_fits,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +115,41 @@ class CompressedTensorsNvfp4Scheme(WeightScheme):
         return t["weight_packed"], t["weight_scale"], (1.0 / g).reshape(g.shape[:-1])
 
 
+class Nvfp4LinearMethod(SchemeLinearMethod):
+    """SchemeLinearMethod whose GPU kernel choices are made once per layer, after loading:
+    the decode mode, the MMA-GEMV probe and the tile configs of the layer's (N, K) go into a
+    plan (plan_nvfp4_gemm), and the global scale into the fp32 [1] device tensor the kernels
+    read, so that a call only picks its kernel by row count."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.nvfp4_kernel_args = None  # (packed, scale, global [1], plan) on a GPU
+        tensors = {s: getattr(layer, s) for s in layer.scheme_suffixes}
+        packed, scale, gs = self.scheme.nvfp4_view(tensors)
+        dev = packed.device
+        if dev.type != "cuda" or not gpu_kernels_enabled(dev):
+            return
+        from moeserve.kernels.nvfp4_gemm import plan_nvfp4_gemm
+
+        with torch.cuda.device(dev):  # the probes launch on the current device
+            plan = plan_nvfp4_gemm(packed)
+        gs = torch.as_tensor(gs, dtype=torch.float32, device=dev).reshape(1)
+        layer.nvfp4_kernel_args = (packed, scale, gs, plan)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        args = getattr(layer, "nvfp4_kernel_args", None)
+        if args is None or not x.is_cuda:
+            return super().apply(layer, x)
+        from moeserve.kernels import nvfp4_gemm as nv  # looked up per call: tests count calls
+
+        packed, scale, gs, plan = args
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        ws = getattr(layer, "splitk_workspace", None)
+        if ws is not None and not splitk_fits(ws, x2.shape[0], layer.local_output):
+            ws = None  # a bigger (eager) batch: the kernel allocates its own
+        y = nv.nvfp4_gemm(x2, packed, scale, gs, workspace=ws, plan=plan)
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
 # ---- exclusion rules ----------------------------------------------------------------------
 def modelopt_excluded(name: str, patterns: tuple[str, ...]) -> bool:
     """ModelOpt `exclude_modules` matching: exact, then substring, then shell wildcard
@@ -159,7 +201,7 @@ class _Nvfp4Config(QuantConfig):
     def linear_method(self, prefix: str) -> LinearMethod:
         if self.excluded(prefix):
             return UnquantizedLinearMethod()
-        return SchemeLinearMethod(self.scheme)
+        return Nvfp4LinearMethod(self.scheme)
 
     def moe_method(self, prefix: str) -> WeightScheme | None:
         # experts are excluded as a group ("...mlp.experts*") or by their first projection

@@ -21,7 +21,7 @@ from torch import nn
 from moeserve.layers.quant.base import LinearMethod, UnquantizedLinearMethod, make_param
 
 if TYPE_CHECKING:
-    from moeserve.kernels.nvfp4_gemm import SplitKWorkspace
+    from moeserve.kernels.splitk import SplitKWorkspace
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,14 @@ class WeightScheme:
         """(packed codes, e4m3 block scales, multiplied global scale) in ModelOpt's
         convention, for the GPU NVFP4 kernels; None if this is not an NVFP4 scheme."""
         return None
+
+    def elementwise_view(
+        self, t: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, 128x128 block scales or None) for the kernels that decode each element on
+        its own (moe_fp8.py): 16-bit weights here, block FP8 in its scheme; else None."""
+        w = t.get("weight")
+        return (w, None) if w is not None and w.dtype in (torch.bfloat16, torch.float16) else None
 
     def has_gpu_matmul(self, t: dict[str, torch.Tensor]) -> bool:
         """Whether `gpu_matmul` has a kernel for these tensors (else it returns None)."""
@@ -140,7 +148,7 @@ def splitk_fits(ws: SplitKWorkspace, m: int, n: int) -> bool:
 def shared_splitk_workspace(shared: dict, m: int, n: int, device: torch.device) -> SplitKWorkspace:
     """The split-K workspace in `shared`, replaced by a larger one when [m, n] does not fit
     (layers bound earlier keep the smaller one, which fits them)."""
-    from moeserve.kernels.nvfp4_gemm import SplitKWorkspace
+    from moeserve.kernels.splitk import SplitKWorkspace
 
     ws = shared.get("splitk_workspace")
     if ws is None or not splitk_fits(ws, m, n):

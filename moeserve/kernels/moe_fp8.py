@@ -1,0 +1,607 @@
+"""Fused mixture-of-experts for 16-bit-activation weights that decode element by element:
+DeepSeek block-FP8 (W8A16, 128x128 ``weight_scale_inv``) and plain bf16/fp16 (W16A16).
+
+Weight layout (stacked experts, the ExpertBank layout of the checkpoint's tensors):
+  w13        fp8 e4m3 or bf16 [E, 2I, H]   gate rows 0..I-1, then up rows I..2I-1
+  w13_scale  fp32 [E, 2I/128, H/128]       block FP8 only (None for 16-bit weights)
+  w2         fp8 e4m3 or bf16 [E, H, I]
+  w2_scale   fp32 [E, H/128, I/128]
+Routing, output and the skipping of other ranks' experts are those of moe.py's NVFP4 kernel,
+whose slot alignment (`moe_align`) and combine step are shared:
+  out[m] = sum_j topk_weights[m, j] * down_e(silu(gate_e(x_m)) * up_e(x_m)),  e = topk_ids[m, j]
+
+Two schedules, one pass over each touched expert's weights per block of its slots:
+  gemv  blocks of MP <= 4 slots on CUDA cores: each weight tile is converted once (e4m3 ->
+        fp32) and fed to one FMA per element per slot; the 128x128 block scale is folded into
+        the activation chunk (one multiply per column, not per weight), since a tile of at
+        most 128 rows and 128 columns has one scale. At 1 B/weight an H200 SM has ~7.8
+        instruction slots per weight element at full HBM rate, and this loop needs ~3-6.
+  mma   blocks of BLOCK_M slots through tl.dot (bf16 tensor cores), the scale applied to each
+        128-column partial product; for many tokens per expert (prefill).
+Everything is graph-capturable: no host synchronisation, temporaries from the caching allocator.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.kernels.configs import max_rows, tile_config
+from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block
+from moeserve.kernels.moe import COMBINE_BLOCK_H, _block_slots, _moe_combine_kernel, moe_align
+from moeserve.kernels.splitk import interpreting
+
+# ----------------------------------------------------------------------------------------------
+# Torch reference
+# ----------------------------------------------------------------------------------------------
+
+
+def _dense(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    if scale is None:
+        return w.float()
+    return dequantize_fp8_block(w, scale, torch.float32)
+
+
+def fused_moe_fp8_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """Loop over the experts that received tokens: fp32 math on dequantized weights, the
+    intermediate rounded to x.dtype (as the kernels store it). Ids outside [0, E) add
+    nothing."""
+    inter_size = w13.shape[1] // 2
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
+        rows, cols = (topk_ids == e).nonzero(as_tuple=True)
+        h = x[rows].float() @ _dense(w13[e], None if w13_scale is None else w13_scale[e]).t()
+        a = (torch.nn.functional.silu(h[:, :inter_size]) * h[:, inter_size:]).to(x.dtype)
+        y = a.float() @ _dense(w2[e], None if w2_scale is None else w2_scale[e]).t()
+        acc.index_add_(0, rows, y * topk_weights[rows, cols].float()[:, None])
+    return acc.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_w(rows, n_ok, kk, K, SCALED: tl.constexpr):
+    """Weight tile [R, BK] (rows: pointers [R, 1]) as fp32; e4m3 bytes when SCALED."""
+    w = tl.load(rows + kk[None, :], mask=n_ok & (kk[None, :] < K), other=0)
+    if SCALED:
+        w = w.to(tl.float8e4nv, bitcast=True)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _slot_dot(acc, w, x_row, ok, kk, K, s):
+    """acc [R] += (w [R, BK] . x[kk]) * s: the scale folded into the activation chunk."""
+    xv = tl.load(x_row + kk, mask=ok & (kk < K), other=0.0).to(tl.float32) * s
+    return acc + tl.sum(w * xv[None, :], axis=1)
+
+
+@triton.jit
+def _gemv_rows(
+    x0,
+    x1,
+    x2,
+    x3,
+    ok0,
+    ok1,
+    ok2,
+    ok3,
+    rows,
+    n_ok,
+    s_row,
+    K,
+    R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MP: tl.constexpr,
+    SCALED: tl.constexpr,
+    K_ITERS: tl.constexpr,
+):
+    """Dot products of R weight rows (pointers [R, 1], one 128-row scale block whose scale row
+    starts at s_row) with up to 4 activation rows x0..x3 -> four [R] fp32 accumulators."""
+    acc0 = tl.zeros((R,), dtype=tl.float32)
+    acc1 = tl.zeros((R,), dtype=tl.float32)
+    acc2 = tl.zeros((R,), dtype=tl.float32)
+    acc3 = tl.zeros((R,), dtype=tl.float32)
+    for it in range(K_ITERS):
+        k0 = it * BLOCK_K
+        kk = k0 + tl.arange(0, BLOCK_K)
+        w = _load_w(rows, n_ok, kk, K, SCALED)
+        s = 1.0
+        if SCALED:
+            s = tl.load(s_row + k0 // 128)
+        acc0 = _slot_dot(acc0, w, x0, ok0, kk, K, s)
+        if MP > 1:
+            acc1 = _slot_dot(acc1, w, x1, ok1, kk, K, s)
+        if MP > 2:
+            acc2 = _slot_dot(acc2, w, x2, ok2, kk, K, s)
+            acc3 = _slot_dot(acc3, w, x3, ok3, kk, K, s)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _store_act(g, u, slot, Mk, inter_ptr, offs_n, INTER):
+    h = g / (1.0 + tl.exp(-g)) * u
+    ptrs = inter_ptr + slot.to(tl.int64) * INTER + offs_n
+    tl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=(offs_n < INTER) & (slot < Mk))
+
+
+@triton.jit
+def _moe_gate_up_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    inter_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    Mk,
+    INTER,
+    H,
+    stride_xm,
+    TOPK: tl.constexpr,
+    MP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALED: tl.constexpr,
+    K_ITERS: tl.constexpr,
+):
+    """inter[slot, n] = silu(gate) * up for the MP slots of block pid(0), columns of tile
+    pid(1). Blocks vary fastest, so the blocks of one expert read a tile about together."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_b)
+    if expert < 0:
+        return
+    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = (offs_n < INTER)[:, None]
+    g_rows = w_ptr + (expert.to(tl.int64) * 2 * INTER + offs_n[:, None]) * H
+    u_rows = w_ptr + (expert.to(tl.int64) * 2 * INTER + INTER + offs_n[:, None]) * H
+    kb = tl.cdiv(H, 128)
+    g_s = s_ptr + (expert.to(tl.int64) * tl.cdiv(2 * INTER, 128) + pid_n * BLOCK_N // 128) * kb
+    u_s = g_s + (INTER // 128) * kb
+    x0 = x_ptr + (s0 // TOPK).to(tl.int64) * stride_xm
+    x1 = x_ptr + (s1 // TOPK).to(tl.int64) * stride_xm
+    x2 = x_ptr + (s2 // TOPK).to(tl.int64) * stride_xm
+    x3 = x_ptr + (s3 // TOPK).to(tl.int64) * stride_xm
+    ok0, ok1, ok2, ok3 = s0 < Mk, s1 < Mk, s2 < Mk, s3 < Mk
+    g0, g1, g2, g3 = _gemv_rows(
+        x0,
+        x1,
+        x2,
+        x3,
+        ok0,
+        ok1,
+        ok2,
+        ok3,
+        g_rows,
+        n_ok,
+        g_s,
+        H,
+        BLOCK_N,
+        BLOCK_K,
+        MP,
+        SCALED,
+        K_ITERS,
+    )
+    u0, u1, u2, u3 = _gemv_rows(
+        x0,
+        x1,
+        x2,
+        x3,
+        ok0,
+        ok1,
+        ok2,
+        ok3,
+        u_rows,
+        n_ok,
+        u_s,
+        H,
+        BLOCK_N,
+        BLOCK_K,
+        MP,
+        SCALED,
+        K_ITERS,
+    )
+    _store_act(g0, u0, s0, Mk, inter_ptr, offs_n, INTER)
+    if MP > 1:
+        _store_act(g1, u1, s1, Mk, inter_ptr, offs_n, INTER)
+    if MP > 2:
+        _store_act(g2, u2, s2, Mk, inter_ptr, offs_n, INTER)
+        _store_act(g3, u3, s3, Mk, inter_ptr, offs_n, INTER)
+
+
+@triton.jit
+def _store_y(acc, slot, Mk, topk_w_ptr, y_ptr, offs_n, H):
+    ok = slot < Mk
+    wt = tl.load(topk_w_ptr + slot, mask=ok, other=0.0)
+    tl.store(y_ptr + slot.to(tl.int64) * H + offs_n, acc * wt, mask=(offs_n < H) & ok)
+
+
+@triton.jit
+def _moe_down_gemv_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    topk_w_ptr,
+    Mk,
+    H,
+    INTER,
+    MP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALED: tl.constexpr,
+    K_ITERS: tl.constexpr,
+):
+    """y[slot, n] = topk_weight[slot] * (inter[slot] @ W2_e^T)[n] in fp32."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_b)
+    if expert < 0:
+        return
+    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = w_ptr + (expert.to(tl.int64) * H + offs_n[:, None]) * INTER
+    kb = tl.cdiv(INTER, 128)
+    s_row = s_ptr + (expert.to(tl.int64) * tl.cdiv(H, 128) + pid_n * BLOCK_N // 128) * kb
+    a0, a1, a2, a3 = _gemv_rows(
+        a_ptr + s0.to(tl.int64) * INTER,
+        a_ptr + s1.to(tl.int64) * INTER,
+        a_ptr + s2.to(tl.int64) * INTER,
+        a_ptr + s3.to(tl.int64) * INTER,
+        s0 < Mk,
+        s1 < Mk,
+        s2 < Mk,
+        s3 < Mk,
+        rows,
+        (offs_n < H)[:, None],
+        s_row,
+        INTER,
+        BLOCK_N,
+        BLOCK_K,
+        MP,
+        SCALED,
+        K_ITERS,
+    )
+    _store_y(a0, s0, Mk, topk_w_ptr, y_ptr, offs_n, H)
+    if MP > 1:
+        _store_y(a1, s1, Mk, topk_w_ptr, y_ptr, offs_n, H)
+    if MP > 2:
+        _store_y(a2, s2, Mk, topk_w_ptr, y_ptr, offs_n, H)
+        _store_y(a3, s3, Mk, topk_w_ptr, y_ptr, offs_n, H)
+
+
+@triton.jit
+def _dot_tile(acc, rows, n_ok, kk, K, xt, s_row, k0, SCALED: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc [BN, BM] += (W tile [BN, BK] @ x^T tile [BK, BM]) * the tile's block scale."""
+    w = tl.load(rows + kk[None, :], mask=n_ok & (kk[None, :] < K), other=0)
+    if SCALED:
+        w = w.to(tl.float8e4nv, bitcast=True)
+    if DOT_F32:  # the interpreter: numpy has no bf16 dot
+        part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+    else:
+        part = tl.dot(w.to(tl.bfloat16), xt.to(tl.bfloat16))
+    if SCALED:
+        part = part * tl.load(s_row + k0 // 128)
+    return acc + part
+
+
+@triton.jit
+def _moe_gate_up_mma_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    inter_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    Mk,
+    INTER,
+    H,
+    stride_xm,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALED: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    K_ITERS: tl.constexpr,
+):
+    """inter for the BLOCK_M slots of block pid(1), columns of tile pid(0) (tensor cores)."""
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_b)
+    if expert < 0:
+        return
+    slots = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_ok = slots[None, :] < Mk
+    x_cols = x_ptr + (tl.where(slots < Mk, slots, 0) // TOPK).to(tl.int64)[None, :] * stride_xm
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n[:, None] < INTER
+    g_rows = w_ptr + (expert.to(tl.int64) * 2 * INTER + offs_n[:, None]) * H
+    u_rows = w_ptr + (expert.to(tl.int64) * 2 * INTER + INTER + offs_n[:, None]) * H
+    kb = tl.cdiv(H, 128)
+    g_s = s_ptr + (expert.to(tl.int64) * tl.cdiv(2 * INTER, 128) + pid_n * BLOCK_N // 128) * kb
+    u_s = g_s + (INTER // 128) * kb
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for it in range(K_ITERS):
+        k0 = it * BLOCK_K
+        kk = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_cols + kk[:, None], mask=m_ok & (kk[:, None] < H), other=0.0)
+        acc_g = _dot_tile(acc_g, g_rows, n_ok, kk, H, xt, g_s, k0, SCALED, DOT_F32)
+        acc_u = _dot_tile(acc_u, u_rows, n_ok, kk, H, xt, u_s, k0, SCALED, DOT_F32)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    ptrs = inter_ptr + slots[None, :].to(tl.int64) * INTER + offs_n[:, None]
+    tl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=n_ok & m_ok)
+
+
+@triton.jit
+def _moe_down_mma_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    topk_w_ptr,
+    Mk,
+    H,
+    INTER,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALED: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    K_ITERS: tl.constexpr,
+):
+    """y for the BLOCK_M slots of block pid(1), columns of tile pid(0) (tensor cores)."""
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pid_b)
+    if expert < 0:
+        return
+    slots = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slots < Mk
+    m_ok = valid[None, :]
+    a_cols = a_ptr + tl.where(valid, slots, 0).to(tl.int64)[None, :] * INTER
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n[:, None] < H
+    rows = w_ptr + (expert.to(tl.int64) * H + offs_n[:, None]) * INTER
+    kb = tl.cdiv(INTER, 128)
+    s_row = s_ptr + (expert.to(tl.int64) * tl.cdiv(H, 128) + pid_n * BLOCK_N // 128) * kb
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for it in range(K_ITERS):
+        k0 = it * BLOCK_K
+        kk = k0 + tl.arange(0, BLOCK_K)
+        at = tl.load(a_cols + kk[:, None], mask=m_ok & (kk[:, None] < INTER), other=0.0)
+        acc = _dot_tile(acc, rows, n_ok, kk, INTER, at, s_row, k0, SCALED, DOT_F32)
+    wt = tl.load(topk_w_ptr + slots, mask=valid, other=0.0)
+    ptrs = y_ptr + slots[None, :].to(tl.int64) * H + offs_n[:, None]
+    tl.store(ptrs, acc * wt[None, :], mask=n_ok & m_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host wrapper
+# ----------------------------------------------------------------------------------------------
+
+
+def check_fp8_moe_shapes(
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+) -> None:
+    """Raise ValueError unless the banks fit the kernels' layout (see the module docstring)."""
+    e, two_i, h = w13.shape
+    i = two_i // 2
+    if tuple(w2.shape) != (e, h, i) or two_i % 2:
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not pair up")
+    scaled = w13.dtype == torch.float8_e4m3fn
+    if scaled != (w2.dtype == torch.float8_e4m3fn) or scaled != (w13_scale is not None):
+        raise ValueError("w13, w2 and the scales must be all block FP8 or all 16-bit")
+    if scaled:
+        nb = -(-h // FP8_BLOCK)
+        ib = -(-i // FP8_BLOCK)
+        if i % FP8_BLOCK:
+            raise ValueError(f"intermediate size {i} is not a multiple of {FP8_BLOCK}")
+        for name, t, shape in (
+            ("w13_scale", w13_scale, (e, 2 * ib, nb)),
+            ("w2_scale", w2_scale, (e, nb, ib)),
+        ):
+            if tuple(t.shape) != shape or t.dtype != torch.float32:
+                raise ValueError(f"{name} must be fp32 {shape}, got {t.dtype} {tuple(t.shape)}")
+    for t in (w13, w2, w13_scale, w2_scale):
+        if t is not None and not t.is_contiguous():
+            raise ValueError("MoE weights and scales must be contiguous")
+
+
+def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
+    m, h = x.shape
+    num_e, two_i, _ = w13.shape
+    inter_size = two_i // 2
+    topk = ids.shape[1]
+    mk = m * topk
+    mp, bn, bn2, bk = cfg["MP"], cfg["BLOCK_N"], cfg["DOWN_BLOCK_N"], cfg["BLOCK_K"]
+    sorted_ids, expert_ids = moe_align(ids, num_e, mp)
+    nb = expert_ids.numel()
+    inter = torch.empty(mk, inter_size, dtype=x.dtype, device=x.device)
+    y = torch.empty(mk, h, dtype=torch.float32, device=x.device)
+    _moe_gate_up_gemv_kernel[(nb, triton.cdiv(inter_size, bn))](
+        x,
+        w13,
+        s13,
+        inter,
+        sorted_ids,
+        expert_ids,
+        mk,
+        inter_size,
+        h,
+        x.stride(0),
+        TOPK=topk,
+        MP=mp,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SCALED=scaled,
+        K_ITERS=triton.cdiv(h, bk),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    _moe_down_gemv_kernel[(nb, triton.cdiv(h, bn2))](
+        inter,
+        w2,
+        s2,
+        y,
+        sorted_ids,
+        expert_ids,
+        tw,
+        mk,
+        h,
+        inter_size,
+        MP=mp,
+        BLOCK_N=bn2,
+        BLOCK_K=bk,
+        SCALED=scaled,
+        K_ITERS=triton.cdiv(inter_size, bk),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+def _mma(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
+    m, h = x.shape
+    num_e, two_i, _ = w13.shape
+    inter_size = two_i // 2
+    topk = ids.shape[1]
+    mk = m * topk
+    bm, bn, bn2, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["DOWN_BLOCK_N"], cfg["BLOCK_K"]
+    sorted_ids, expert_ids = moe_align(ids, num_e, bm)
+    nb = expert_ids.numel()
+    inter = torch.empty(mk, inter_size, dtype=x.dtype, device=x.device)
+    y = torch.empty(mk, h, dtype=torch.float32, device=x.device)
+    dot_f32 = interpreting()
+    _moe_gate_up_mma_kernel[(triton.cdiv(inter_size, bn), nb)](
+        x,
+        w13,
+        s13,
+        inter,
+        sorted_ids,
+        expert_ids,
+        mk,
+        inter_size,
+        h,
+        x.stride(0),
+        TOPK=topk,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SCALED=scaled,
+        DOT_F32=dot_f32,
+        K_ITERS=triton.cdiv(h, bk),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    _moe_down_mma_kernel[(triton.cdiv(h, bn2), nb)](
+        inter,
+        w2,
+        s2,
+        y,
+        sorted_ids,
+        expert_ids,
+        tw,
+        mk,
+        h,
+        inter_size,
+        BLOCK_M=bm,
+        BLOCK_N=bn2,
+        BLOCK_K=bk,
+        SCALED=scaled,
+        DOT_F32=dot_f32,
+        K_ITERS=triton.cdiv(inter_size, bk),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+def tile_table(scaled: bool, kernel: str) -> str:
+    """tiles.json table of a schedule: 16-bit weight tiles are twice the bytes of FP8 ones,
+    so their tensor-core configs differ (shared memory)."""
+    return f"moe_{'fp8' if scaled else 'w16'}_{kernel}"
+
+
+def fp8_moe_kernel_for(m: int, shape_key: str, scaled: bool = True) -> str:
+    """The schedule used at m tokens: "gemv" up to the gemv table's last max_m, else "mma"."""
+    return "gemv" if m <= max_rows(tile_table(scaled, "gemv"), shape_key) else "mma"
+
+
+def fused_moe_fp8(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    kernel: str | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Fused MoE on block-FP8 (scales given) or 16-bit weights, layouts in the module
+    docstring; shapes are checked once by the caller (`check_fp8_moe_shapes`). `accumulate`
+    adds the result to `out`'s values. `kernel` "gemv" / "mma" / None (by row count)."""
+    m, h = x.shape
+    num_e, two_i, _ = w13.shape
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs the tensor to add to (out)")
+        out = torch.empty(m, h, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    ids = topk_ids.to(torch.int32).contiguous()
+    tw = topk_weights.reshape(-1).to(torch.float32)
+    scaled = w13_scale is not None
+    key = f"{num_e}:{two_i}x{h}"
+    kernel = kernel or fp8_moe_kernel_for(m, key, scaled)
+    # 16-bit weights have no scale tensor; any pointer does (SCALED=False never reads it)
+    s13 = w13_scale if scaled else tw
+    s2 = w2_scale if scaled else tw
+    if scaled:  # e4m3 bytes, reinterpreted in the kernel
+        w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
+    if kernel == "gemv":
+        cfg = {**tile_config(tile_table(scaled, "gemv"), m, key), **(config or {})}
+        y = _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled)
+    elif kernel == "mma":
+        cfg = {**tile_config(tile_table(scaled, "mma"), m, key), **(config or {})}
+        y = _mma(x, ids, tw, w13, s13, w2, s2, cfg, scaled)
+    else:
+        raise ValueError(f"unknown MoE kernel {kernel!r}")
+    _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK_H))](
+        y,
+        ids,
+        out,
+        h,
+        num_e,
+        out.stride(0),
+        TOPK=ids.shape[1],
+        BLOCK_H=COMBINE_BLOCK_H,
+        ACCUMULATE=accumulate,
+        num_warps=4,
+    )
+    return out
