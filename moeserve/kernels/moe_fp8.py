@@ -430,17 +430,24 @@ def check_fp8_moe_shapes(
             raise ValueError("MoE weights and scales must be contiguous")
 
 
+def _aligned(x, ids, num_e, inter_size, block):
+    """Slots sorted into blocks of `block` per expert, the intermediate [M*k, I] (x.dtype) and
+    the per-slot down output [M*k, H] (fp32)."""
+    mk = ids.numel()
+    sorted_ids, expert_ids = moe_align(ids, num_e, block)
+    inter = torch.empty(mk, inter_size, dtype=x.dtype, device=x.device)
+    y = torch.empty(mk, x.shape[1], dtype=torch.float32, device=x.device)
+    return sorted_ids, expert_ids, inter, y, mk
+
+
 def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
-    m, h = x.shape
+    h = x.shape[1]
     num_e, two_i, _ = w13.shape
     inter_size = two_i // 2
     topk = ids.shape[1]
-    mk = m * topk
     mp, bn, bn2, bk = cfg["MP"], cfg["BLOCK_N"], cfg["DOWN_BLOCK_N"], cfg["BLOCK_K"]
-    sorted_ids, expert_ids = moe_align(ids, num_e, mp)
+    sorted_ids, expert_ids, inter, y, mk = _aligned(x, ids, num_e, inter_size, mp)
     nb = expert_ids.numel()
-    inter = torch.empty(mk, inter_size, dtype=x.dtype, device=x.device)
-    y = torch.empty(mk, h, dtype=torch.float32, device=x.device)
     _moe_gate_up_gemv_kernel[(nb, triton.cdiv(inter_size, bn))](
         x,
         w13,
@@ -484,16 +491,13 @@ def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
 
 
 def _mma(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
-    m, h = x.shape
+    h = x.shape[1]
     num_e, two_i, _ = w13.shape
     inter_size = two_i // 2
     topk = ids.shape[1]
-    mk = m * topk
     bm, bn, bn2, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["DOWN_BLOCK_N"], cfg["BLOCK_K"]
-    sorted_ids, expert_ids = moe_align(ids, num_e, bm)
+    sorted_ids, expert_ids, inter, y, mk = _aligned(x, ids, num_e, inter_size, bm)
     nb = expert_ids.numel()
-    inter = torch.empty(mk, inter_size, dtype=x.dtype, device=x.device)
-    y = torch.empty(mk, h, dtype=torch.float32, device=x.device)
     dot_f32 = interpreting()
     _moe_gate_up_mma_kernel[(triton.cdiv(inter_size, bn), nb)](
         x,

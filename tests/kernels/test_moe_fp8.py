@@ -81,11 +81,13 @@ def test_accumulate_adds_to_out(bank):
     w13, s13, d13, w2, s2, d2 = bank
     ids, tw = _route(2, 2, 7)
     x = torch.randn(2, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    base = torch.randn(2, H).to(torch.bfloat16)
+    base = torch.randn(2, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     out = base.clone()
     fused_moe_fp8(x, ids, tw, w13, s13, w2, s2, out=out, accumulate=True)
-    want = _oracle(x, ids, tw, d13, d2) + base.float()
-    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-3)
+    moe = _oracle(x, ids, tw, d13, d2)
+    # where base and the MoE output cancel, the bf16 error of the MoE part is what remains
+    atol = 1e-2 * moe.abs().max().item()
+    torch.testing.assert_close(out.float(), moe + base.float(), rtol=2e-2, atol=atol)
 
 
 def test_shape_check_rejects_unaligned_intermediate():
