@@ -97,51 +97,45 @@ def bench_gemm(records: list, sweep: bool) -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             b = one + 2 * m * (n + k)
             peer = graph_time_us([lambda d=d, x=x: torch.matmul(x, d.t()) for d in dense], 20, 5)
-            for kernel in ["mma"]:
-                cfgs: list = [None]
-                if sweep and m in SWEEP_MS:
-                    cfgs += GEMM_SWEEP
-                best = None
-                for cfg in cfgs:
-                    fns = [
-                        lambda w=w, s=s, cfg=cfg, x=x: f8.fp8_block_gemm(x, w, s, config=cfg)
-                        for w, s in ws
-                    ]
-                    try:
-                        t = graph_time_us(fns, 50, 5)
-                    except Exception as e:  # noqa: BLE001
-                        log(f"  {name} M={m} {kernel} {cfg} failed: {e!r}"[:400])
-                        continue
-                    if best is None or t["us"] < best[1]["us"]:
-                        best = (cfg, t)
-                if best is None:
+            cfgs: list = [None]
+            if sweep and m in SWEEP_MS:
+                cfgs += GEMM_SWEEP
+            best = None
+            for cfg in cfgs:
+                fns = [
+                    lambda w=w, s=s, cfg=cfg, x=x: f8.fp8_block_gemm(x, w, s, config=cfg)
+                    for w, s in ws
+                ]
+                try:
+                    t = graph_time_us(fns, 50, 5)
+                except Exception as e:  # noqa: BLE001
+                    log(f"  {name} M={m} {cfg} failed: {e!r}"[:400])
                     continue
-                cfg, t = best
-                default_us = t["us"] if cfg is None else None
-                rec = {
-                    "kernel": f"fp8_block_gemm[{kernel}]",
-                    "shape": name,
-                    "N": n,
-                    "K": k,
-                    "M": m,
-                    "config": cfg
-                    or tile_config(
-                        "fp8_block_gemv" if kernel == "gemv" else "fp8_block_gemm", m, ""
-                    ),
-                    "swept": cfg is not None,
-                    "default_us": default_us,
-                    **t,
-                    "pct_hbm": 100 * b / (t["us"] * 1e-6) / HBM,
-                    "peer": "torch.matmul bf16 (dequantized weight)",
-                    "peer_us": peer["us"],
-                    "speedup_vs_peer": peer["us"] / t["us"],
-                }
-                records.append(rec)
-                log(
-                    f"  {name:15s} M={m:3d} {kernel:4s} {t['us']:8.2f} us "
-                    f"{rec['pct_hbm']:5.1f}% HBM  cuBLAS bf16 {peer['us']:8.2f} us "
-                    f"x{rec['speedup_vs_peer']:.2f} cfg={cfg}"
-                )
+                if best is None or t["us"] < best[1]["us"]:
+                    best = (cfg, t)
+            if best is None:
+                continue
+            cfg, t = best
+            rec = {
+                "kernel": "fp8_block_gemm[mma]",
+                "shape": name,
+                "N": n,
+                "K": k,
+                "M": m,
+                "config": cfg or tile_config("fp8_block_gemm", m, f"{n}x{k}"),
+                "swept": cfg is not None,
+                **t,
+                "pct_hbm": 100 * b / (t["us"] * 1e-6) / HBM,
+                "peer": "torch.matmul bf16 (dequantized weight)",
+                "peer_us": peer["us"],
+                "speedup_vs_peer": peer["us"] / t["us"],
+            }
+            records.append(rec)
+            log(
+                f"  {name:15s} M={m:3d} {t['us']:8.2f} us "
+                f"{rec['pct_hbm']:5.1f}% HBM  cuBLAS bf16 {peer['us']:8.2f} us "
+                f"x{rec['speedup_vs_peer']:.2f} cfg={cfg}"
+            )
         del ws, dense
         torch.cuda.empty_cache()
 
