@@ -26,6 +26,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,11 +50,13 @@ BEFORE_MS_PER_LAYER = {"kimi-k2.5-nvfp4": 0.345, "deepseek-v3-fp8": 6.0}
 TARGET_MS = 0.20
 
 
-def _engine(path: Path, layers: int, profile_steps: int):
+def _engine(path: Path, layers: int, profile_steps: int, tp: int = 1, ep: bool = False):
     from moeserve.engine.engine import build_engine
 
     return build_engine(
         str(path),
+        tensor_parallel_size=tp,
+        enable_expert_parallel=ep,
         load_format="dummy",
         num_layers=layers,
         max_model_len=1024,
@@ -124,16 +129,20 @@ def _host_profile(engine, steps: int = 48) -> str:
     return out.getvalue()
 
 
-def _moe_layer_bytes(engine, batch: int) -> tuple[int, float]:
-    """Bytes one MoE layer reads per step at `batch` (distinct experts by uniform routing)."""
+def _moe_layer_bytes(engine, batch: int, parts: bool = False) -> tuple[int, float]:
+    """Bytes one MoE layer reads per step at `batch` on rank 0 (its slice under tensor
+    parallelism, its experts under expert parallelism; distinct experts by uniform routing)."""
     model = engine.runner.model
     layer = next(lay for lay in model.model.layers if hasattr(lay.mlp, "experts"))
     experts = layer.mlp.experts
     e = experts.layout.num_local
-    k = engine.loaded.config.num_experts_per_tok
+    cfg = engine.loaded.config
+    k, total = cfg.num_experts_per_tok, cfg.n_routed_experts
     expert_bytes = sum(p.numel() * p.element_size() for p in experts.parameters()) / e
     rest = sum(p.numel() * p.element_size() for p in layer.parameters()) - expert_bytes * e
-    touched = e * (1 - (1 - k / e) ** batch)
+    touched = e * (1 - (1 - k / total) ** batch)
+    if parts:
+        return int(rest), expert_bytes
     return int(rest + touched * expert_bytes), touched
 
 
@@ -150,58 +159,95 @@ def layer_counts(path: Path) -> tuple[int, int]:
     return lo, lo + MOE_LAYERS_APART
 
 
-def bench_moeserve(name: str, path: Path) -> dict:
-    out: dict = {"config": str(path.relative_to(HERE.parent)), "layers": {}}
+def bench_engine(name: str, path: Path, layers: int, tp: int = 1, ep: bool = False) -> dict:
+    """One engine of `layers` layers: decode ms per step and profile at each batch."""
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    engine = _engine(path, layers, 0, tp, ep)
+    row = {
+        "load_s": engine.loaded.load_seconds,  # the weights alone (graphs, compilation apart)
+        "start_s": time.perf_counter() - t0,
+        "graphs": engine.runner.graph_status,
+        "batches": {},
+    }
+    if layers == layer_counts(path)[0] and tp == 1:
+        row["host_profile"] = _host_profile(engine)
+        print(row["host_profile"], flush=True)
+    for b in BATCHES:
+        ms, prof = _decode_ms(engine, b)
+        row["batches"][str(b)] = {"ms_per_step": ms, **prof}
+        print(f"{name} L={layers} B={b}: {ms:.3f} ms/step", flush=True)
+        print(prof["table"], flush=True)
+    row["moe_layer_bytes"] = {str(b): _moe_layer_bytes(engine, b) for b in BATCHES}
+    row["bytes_parts"] = _moe_layer_bytes(engine, 1, parts=True)  # (rest, one expert)
+    engine.shutdown()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def _engine_in_subprocess(name: str, layers: int, tp: int, ep: bool) -> dict:
+    """`bench_engine` in a fresh process: torch keeps a process's symmetric-memory
+    rendezvous across process groups, so a second tensor-parallel engine in one process
+    cannot set up its one-shot all-reduce."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        layout = f"tp{tp}" + ("-ep" if ep else "")
+        cmd = [sys.executable, __file__, "--engine", f"{name}:{layout}:{layers}", "--out", str(out)]
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())
+
+
+def bench_moeserve(
+    name: str, path: Path, tp: int = 1, ep: bool = False, isolated: bool = False
+) -> dict:
+    out: dict = {"config": str(path.relative_to(HERE.parent)), "layers": {}, "tp": tp, "ep": ep}
     LAYERS = layer_counts(path)  # noqa: N806 (a constant of this config)
     out["layer_counts"] = list(LAYERS)
     for layers in LAYERS:
-        torch.cuda.empty_cache()
-        t0 = time.perf_counter()
-        engine = _engine(path, layers, 0)
-        start_s = time.perf_counter() - t0
-        load_s = engine.loaded.load_seconds  # the weights alone (graphs, compilation apart)
-        row = {
-            "load_s": load_s,
-            "start_s": start_s,
-            "graphs": engine.runner.graph_status,
-            "batches": {},
-        }
-        if layers == LAYERS[0]:
-            row["host_profile"] = _host_profile(engine)
-            print(row["host_profile"], flush=True)
-        for b in BATCHES:
-            ms, prof = _decode_ms(engine, b)
-            row["batches"][str(b)] = {"ms_per_step": ms, **prof}
-            print(f"{name} L={layers} B={b}: {ms:.3f} ms/step", flush=True)
-            print(prof["table"], flush=True)
-        row["moe_layer_bytes"] = {str(b): _moe_layer_bytes(engine, b) for b in BATCHES}
-        out["layers"][str(layers)] = row
-        engine.shutdown()
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
-    lo, hi = (out["layers"][str(n)] for n in LAYERS)
+        if isolated:
+            out["layers"][str(layers)] = _engine_in_subprocess(name, layers, tp, ep)
+        else:
+            out["layers"][str(layers)] = bench_engine(name, path, layers, tp, ep)
+    return summarize(out)
+
+
+def summarize(out: dict) -> dict:
+    """Per MoE layer from the two engines' rows: the wall-step slope (what a client sees,
+    host work included) and the GPU kernel-time slope (the device alone; on a host whose
+    step overhead varies run to run, the steadier of the two)."""
+    layers = tuple(out["layer_counts"])
+    apart = layers[1] - layers[0]
+    row_of = {n: out["layers"][str(n)] for n in layers}
+    lo, hi = (row_of[n] for n in layers)
     out["per_layer"] = {}
-    for b in BATCHES:
-        key = str(b)
-        ms = (hi["batches"][key]["ms_per_step"] - lo["batches"][key]["ms_per_step"]) / (
-            LAYERS[1] - LAYERS[0]
-        )
+    for key in lo["batches"]:
+        blo, bhi = lo["batches"][key], hi["batches"][key]
+        ms = (bhi["ms_per_step"] - blo["ms_per_step"]) / apart
+        gpu_ms = (bhi["kernel_ms"] - blo["kernel_ms"]) / apart
         nbytes, touched = lo["moe_layer_bytes"][key]
         limit_ms = nbytes / HBM_BYTES_PER_S * 1000
-        kpl = hi["batches"][key]["kernels_per_layer"]
-        moe_layers = [v for k, v in kpl.items() if int(k) >= LAYERS[0] - 1]
+        kpl = bhi["kernels_per_layer"]
+        moe_layers = [v for k, v in kpl.items() if int(k) >= layers[0] - 1]
+        ar = [b["components_ms"].get("all-reduce", 0.0) for b in (blo, bhi)]
         out["per_layer"][key] = {
             "ms": ms,
+            "gpu_ms": gpu_ms,
+            "all_reduce_ms": (ar[1] - ar[0]) / apart,
+            "bytes_parts": lo.get("bytes_parts"),
+            "step_ms": {str(n): row_of[n]["batches"][key]["ms_per_step"] for n in layers},
+            "gpu_step_ms": {str(n): row_of[n]["batches"][key]["kernel_ms"] for n in layers},
             "bytes": nbytes,
             "experts_touched": touched,
             "limit_ms": limit_ms,
             "pct_hbm": 100 * limit_ms / ms if ms > 0 else 0.0,
+            "pct_hbm_gpu": 100 * limit_ms / gpu_ms if gpu_ms > 0 else 0.0,
             "kernels_per_layer": statistics.median(moe_layers) if moe_layers else None,
-            "idle_ms_per_step": hi["batches"][key]["idle_ms"],
-            "idle_between_steps_ms": hi["batches"][key]["between_steps_ms"],
+            "idle_ms_per_step": bhi["idle_ms"],
+            "idle_between_steps_ms": bhi["between_steps_ms"],
         }
-    out["load_s_per_layer"] = (hi["load_s"] - lo["load_s"]) / (LAYERS[1] - LAYERS[0])
+    out["load_s_per_layer"] = (hi["load_s"] - lo["load_s"]) / apart
     return out
 
 
@@ -308,6 +354,132 @@ def write_markdown(res: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _layout(name: str) -> tuple[int, bool]:
+    """ "tp2-ep" -> (2, True)."""
+    tp, _, ep = name.partition("-")
+    if not tp.startswith("tp") or ep not in ("", "ep"):
+        raise SystemExit(f"--parallel: {name!r} is not tpN or tpN-ep")
+    return int(tp[2:]), ep == "ep"
+
+
+def _split_bytes(runs: dict) -> tuple[float, float, float]:
+    """(replicated, sharded at TP1, one expert) bytes of a MoE layer from the TP1 and TP2+EP
+    runs: rest(tp) = R + S / tp, so the two measurements give R and S."""
+    (b1, expert), (b2, _) = (runs[k]["per_layer"]["1"]["bytes_parts"] for k in ("tp1", "tp2-ep"))
+    sharded = 2 * (b1 - b2)
+    return b1 - sharded, sharded, expert
+
+
+def project_tp8(runs: dict, total_layers: int = 61, ranks: int = 8) -> dict:
+    """Per-layer GPU time and tok/s of the whole model on `ranks` GPUs (TP + EP) at each
+    batch. A layer's GPU time without its all-reduce is fitted as fixed + bytes / speed
+    through the TP1 and TP2+EP measurements (two points, the same kernels: what does not
+    shrink with bytes read, launch and latency floors, stays); the all-reduce keeps its
+    measured 2-GPU cost (an assumption: a one-shot all-reduce on 8 GPUs reads 7 peers)."""
+    one, two = runs["tp1"], runs["tp2-ep"]
+    replicated, sharded, expert = _split_bytes(runs)
+    lo = min(int(n) for n in two["layers"])
+    out = {}
+    for b, p2 in two["per_layer"].items():
+        p1 = one["per_layer"][b]
+        t1, t2 = p1["gpu_ms"], p2["gpu_ms"] - p2["all_reduce_ms"]
+        per_byte = max((t1 - t2) / (p1["bytes"] - p2["bytes"]), 1000 / HBM_BYTES_PER_S)
+        fixed = max(t1 - per_byte * p1["bytes"], 0.0)
+        nbytes = replicated + sharded / ranks + p1["experts_touched"] / ranks * expert
+        layer = fixed + per_byte * nbytes + p2["all_reduce_ms"]
+        idle = min(p2["step_ms"][n] - p2["gpu_step_ms"][n] for n in p2["step_ms"])
+        step = p2["gpu_step_ms"][str(lo)] + (total_layers - lo) * layer + max(idle, 0.0)
+        out[b] = {
+            "layer_ms": layer,
+            "fixed_ms": fixed,
+            "gbps": 1 / per_byte / 1e6,
+            "bytes": nbytes,
+            "host_ms": max(idle, 0.0),
+            "step_ms": step,
+            "tok_s": int(b) * 1000 / step,
+        }
+    return out
+
+
+def write_parallel_markdown(res: dict, path: Path) -> None:
+    v = res["versions"]
+    runs = res["moeserve"]
+    lines = [
+        "# Decode per full-size Kimi-K2.5 NVFP4 MoE layer: 1 GPU vs tensor / expert parallel",
+        "",
+        f"commit {v['commit']}, {v['gpus']} x {v['gpu']}, torch {v['torch']}, triton "
+        f"{v['triton']}; all-reduce: {v.get('all_reduce', 'the default')}. Method: "
+        "benchmarks/decode_layer.py docstring, every layout in the same run, each engine in "
+        "its own process (slope of L=6 vs L=2 engine steps, CUDA graphs, dummy weights in the "
+        "serving format). GPU ms = slope of the kernel time per step (decode profiler); wall "
+        "ms = slope of the engine step time, host work included (noisy on this host: its "
+        "step overhead varied 0.05-1.3 ms between engines). All-reduce = the profiler's "
+        "all-reduce kernels per layer (two per layer); bytes and % of HBM per GPU (rank 0).",
+        "",
+        "| layout | batch | GPU ms per MoE layer | wall ms per MoE layer | all-reduce per layer "
+        "(share of GPU ms) | bytes per GPU | % of HBM (GPU ms) | decode tok/s at L=6 (wall) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in runs.items():
+        hi = str(max(int(n) for n in r["layers"]))
+        for b, p in r["per_layer"].items():
+            share = 100 * p["all_reduce_ms"] / p["gpu_ms"] if p["gpu_ms"] > 0 else 0.0
+            lines.append(
+                f"| {name} | {b} | {p['gpu_ms']:.3f} | {p['ms']:.3f} | "
+                f"{p['all_reduce_ms'] * 1000:.1f} us ({share:.0f}%) | {p['bytes'] / 1e6:.0f} MB "
+                f"| {p['pct_hbm_gpu']:.0f}% | {int(b) * 1000 / p['step_ms'][hi]:.0f} |"
+            )
+    proj = res.get("projection_tp8")
+    if proj:
+        doc = " ".join(project_tp8.__doc__.split())
+        lines += [
+            "",
+            "## Projection: 61 layers on 8 GPUs (TP8 + EP)",
+            "",
+            doc + " Bytes per GPU at 8: the replicated part of a layer, its sharded part / 8 "
+            "and 1/8 of the distinct experts (replicated and sharded parts solved from the "
+            "TP1 and TP2+EP layer sizes). Step = the TP2+EP GPU step at L=2 + 59 projected MoE "
+            "layers + the smallest host overhead per step measured for TP2+EP.",
+            "",
+            "| batch | fixed ms per layer | fitted GB/s | bytes per GPU | ms per MoE layer | "
+            "host ms per step | step (61 layers) | tok/s | target |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for b, p in proj.items():
+            target = ">= 500 tok/s (PERF.md)" if b == "1" else ""
+            lines.append(
+                f"| {b} | {p['fixed_ms']:.3f} | {p['gbps']:.0f} | {p['bytes'] / 1e6:.0f} MB | "
+                f"{p['layer_ms']:.3f} | {p['host_ms']:.3f} | {p['step_ms']:.2f} ms | "
+                f"{p['tok_s']:.0f} | {target} |"
+            )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def finish_parallel(res: dict, out: Path) -> None:
+    """Per-layer figures, the projection, JSON and markdown from the engines' rows."""
+    for run in res["moeserve"].values():
+        summarize(run)
+    if {"tp1", "tp2-ep"} <= set(res["moeserve"]):
+        res["projection_tp8"] = project_tp8(res["moeserve"])
+    (out / "decode_layer_parallel.json").write_text(json.dumps(res, indent=1))
+    write_parallel_markdown(res, out / "decode_layer_parallel.md")
+    print((out / "decode_layer_parallel.md").read_text())
+
+
+def main_parallel(layouts: list[str], out: Path, commit: str | None) -> None:
+    path = CONFIGS["kimi-k2.5-nvfp4"]
+    from moeserve.dist.comm import DEFAULT_PROTOCOL
+
+    versions = {**_versions(commit), "gpus": torch.cuda.device_count()}
+    versions["all_reduce"] = f"auto (one-shot {DEFAULT_PROTOCOL} protocol up to 1 MiB)"
+    res: dict = {"versions": versions, "moeserve": {}}
+    for name in layouts:
+        tp, ep = _layout(name)
+        res["moeserve"][name] = bench_moeserve("kimi-k2.5-nvfp4", path, tp, ep, isolated=True)
+        (out / "decode_layer_parallel.json").write_text(json.dumps(res, indent=1))
+    finish_parallel(res, out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -315,8 +487,32 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--deepseek", action="store_true", help="also the DeepSeek-V3 FP8 config")
     ap.add_argument("--only", default=None, help="run this one config (a name of CONFIGS)")
+    ap.add_argument(
+        "--parallel",
+        default=None,
+        help="Kimi only, these layouts in one run (e.g. tp1,tp2,tp2-ep): "
+        "decode_layer_parallel.{json,md} with the projection to 61 layers on 8 GPUs",
+    )
+    ap.add_argument("--engine", default=None, help=argparse.SUPPRESS)  # NAME:LAYOUT:LAYERS
+    ap.add_argument(
+        "--summarize",
+        default=None,
+        help="recompute decode_layer_parallel.{json,md} in --out from this recorded JSON",
+    )
     args = ap.parse_args()
+    if args.summarize:
+        finish_parallel(json.loads(Path(args.summarize).read_text()), Path(args.out))
+        return
+    if args.engine:  # one engine for a parent run: its row as JSON at --out
+        name, layout, layers = args.engine.split(":")
+        tp, ep = _layout(layout)
+        row = bench_engine(f"{name} {layout}", {**CONFIGS, **OPTIONAL}[name], int(layers), tp, ep)
+        Path(args.out).write_text(json.dumps(row))
+        return
     os.makedirs(args.out, exist_ok=True)
+    if args.parallel:
+        main_parallel(args.parallel.split(","), Path(args.out), args.commit)
+        return
     configs = dict(CONFIGS, **(OPTIONAL if args.deepseek or args.only else {}))
     if args.only:
         configs = {args.only: {**CONFIGS, **OPTIONAL}[args.only]}

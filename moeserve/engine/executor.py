@@ -16,6 +16,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from moeserve.dist.broadcast import DistChannel, ShmChannel
 from moeserve.engine.runner import ModelRunner
@@ -109,5 +110,7 @@ class DistributedExecutor(Executor):
             if p.is_alive():
                 p.terminate()
         self.channel.close()
+        if dist.is_initialized():  # a later engine in this process starts its own group
+            dist.destroy_process_group()
         if self.store_dir is not None:
             self.store_dir.cleanup()
