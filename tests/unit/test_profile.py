@@ -53,6 +53,13 @@ def test_component_rules():
     assert component_of(None, "anything", None) == "other kernels"
 
 
+def test_every_one_shot_all_reduce_kernel_counts_as_all_reduce():
+    from moeserve.kernels import allreduce as ar
+
+    for kernel in (ar._flag_kernel, ar._lamport_kernel):  # the names CUPTI reports
+        assert component_of("router", kernel.fn.__name__, None) == "all-reduce"
+
+
 def test_labelled_scopes_cover_the_model_and_are_removed(tmp_path):
     from moeserve.loader.safetensors import load_safetensors_model
 
