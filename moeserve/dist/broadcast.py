@@ -21,7 +21,13 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_CAPACITY = 1 << 22  # payload bytes per chunk; longer messages go in several chunks
-_SPIN_S = 2e-3  # busy-wait this long before sleeping between polls (a decode step is ~ms)
+# A waiting side busy-polls this long before it sleeps between polls. GPU ranks wait between
+# steps for as long as a step takes (a 61-layer decode step is ~10 ms), and a sleeping reader
+# wakes ~0.2 ms late, a delay every rank's next step (and rank 0's all-reduce) then waits
+# for: GPU ranks poll for longer than any decode step (a core each while serving). CPU ranks
+# compute on those cores, so they give them back sooner.
+SPIN_S_GPU = 50e-3
+SPIN_S_CPU = 2e-3
 _POLL_S = 2e-4
 
 
@@ -37,9 +43,14 @@ class ShmChannel:
     _HDR = 4
 
     def __init__(
-        self, name: str | None, num_readers: int, capacity: int = DEFAULT_CAPACITY
+        self,
+        name: str | None,
+        num_readers: int,
+        capacity: int = DEFAULT_CAPACITY,
+        spin_s: float = SPIN_S_CPU,
     ) -> None:
         self.num_readers = num_readers
+        self.spin_s = spin_s
         self.capacity = capacity // 8
         size = 8 * (self._HDR + num_readers + self.capacity)
         self.owner = name is None
@@ -56,11 +67,10 @@ class ShmChannel:
     def name(self) -> str:
         return self.shm.name
 
-    @staticmethod
-    def _wait(ready: Callable[[], bool], alive: Callable[[], bool], what: str) -> None:
+    def _wait(self, ready: Callable[[], bool], alive: Callable[[], bool], what: str) -> None:
         t0 = time.perf_counter()
         while not ready():
-            if time.perf_counter() - t0 > _SPIN_S:
+            if time.perf_counter() - t0 > self.spin_s:
                 if not alive():
                     raise ChannelClosed(what)
                 time.sleep(_POLL_S)

@@ -636,7 +636,7 @@ def _start_spawned_ranks(cfg: EngineConfig, device: str) -> Executor:
     stop = start_watchdog(procs)  # a rank that dies while loading stops us too
     tp = init_distributed(cfg, Rendezvous(0, world, init, rank_device(device, 0)))
     runner = build_rank(cfg, tp, rank_device(device, 0))
-    channel = open_channel(tp)
+    channel = open_channel(tp, rank_device(device, 0))
     dist.barrier(group=tp.cpu_group)
     return DistributedExecutor(runner, channel, procs, store, stop)
 
@@ -646,7 +646,7 @@ def _join_torchrun(cfg: EngineConfig, device: str) -> Executor:
     rdv = torchrun_rendezvous(device)
     tp = init_distributed(cfg, rdv)
     runner = build_rank(cfg, tp, rdv.device)
-    channel = open_channel(tp)
+    channel = open_channel(tp, rdv.device)
     dist.barrier(group=tp.cpu_group)
     return DistributedExecutor(runner, channel)
 

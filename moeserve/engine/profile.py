@@ -46,7 +46,14 @@ COMPONENTS = (
     "LM head",
     "other kernels",
 )
-_ALL_REDUCE_NAMES = ("nccl", "allreduce", "all_reduce", "one_shot", "_lamport_kernel", "_flag_kernel")
+_ALL_REDUCE_NAMES = (
+    "nccl",
+    "allreduce",
+    "all_reduce",
+    "one_shot",
+    "_lamport_kernel",
+    "_flag_kernel",
+)
 _DECODE_NAMES = ("mla_decode",)
 
 

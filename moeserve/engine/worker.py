@@ -22,7 +22,13 @@ import torch
 import torch.distributed as dist
 
 from moeserve.config import EngineConfig
-from moeserve.dist.broadcast import ChannelClosed, DistChannel, ShmChannel
+from moeserve.dist.broadcast import (
+    SPIN_S_CPU,
+    SPIN_S_GPU,
+    ChannelClosed,
+    DistChannel,
+    ShmChannel,
+)
 from moeserve.dist.parallel import TPGroup
 from moeserve.engine.step import StepInput
 
@@ -81,17 +87,18 @@ def init_distributed(cfg: EngineConfig, rdv: Rendezvous) -> TPGroup:
     )
 
 
-def open_channel(tp: TPGroup) -> ShmChannel | DistChannel:
+def open_channel(tp: TPGroup, device: str) -> ShmChannel | DistChannel:
     """The step channel, agreed by all ranks: shared memory (created by rank 0) when every
     rank is on this host, else a gloo broadcast."""
+    spin = SPIN_S_GPU if device.startswith("cuda") else SPIN_S_CPU
     hosts: list[str | None] = [None] * tp.size
     dist.all_gather_object(hosts, socket.gethostname(), group=tp.cpu_group)
     if len(set(hosts)) > 1:
         return DistChannel(tp.cpu_group)
-    mine = ShmChannel(None, tp.size - 1) if tp.rank == 0 else None
+    mine = ShmChannel(None, tp.size - 1, spin_s=spin) if tp.rank == 0 else None
     names = [mine.name if mine is not None else None]
     dist.broadcast_object_list(names, src=0, group=tp.cpu_group)
-    return mine if mine is not None else ShmChannel(names[0], tp.size - 1)
+    return mine if mine is not None else ShmChannel(names[0], tp.size - 1, spin_s=spin)
 
 
 def worker_loop(runner: object, channel: ShmChannel | DistChannel, rank: int) -> None:
@@ -114,7 +121,7 @@ def run_worker(cfg: EngineConfig, rdv: Rendezvous) -> None:
 
         tp = init_distributed(cfg, rdv)
         runner = build_rank(cfg, tp, rdv.device)
-        channel = open_channel(tp)
+        channel = open_channel(tp, rdv.device)
         dist.barrier(group=tp.cpu_group)  # every rank is ready to serve
         worker_loop(runner, channel, rdv.rank)
     except ChannelClosed:
