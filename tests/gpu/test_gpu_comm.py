@@ -220,16 +220,7 @@ def _worker(rank: int, protocol: str, store: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-LAMPORT_RACE = pytest.mark.xfail(
-    reason="known: stale elements in about 1 of 60 back-to-back calls of changing size on 2 "
-    "H200s (not the default protocol; benchmarks/results/allreduce.md)",
-    strict=False,
-)
-
-
-@pytest.mark.parametrize(
-    "protocol", [pytest.param(p, marks=LAMPORT_RACE) if p == "lamport" else p for p in ar.PROTOCOLS]
-)
+@pytest.mark.parametrize("protocol", ar.PROTOCOLS)
 def test_one_shot_matches_nccl_eager_and_in_graphs(tmp_path, monkeypatch, protocol):
     for k, v in cm.NO_MULTICAST_ENV.items():
         monkeypatch.setenv(k, v)  # inherited by the spawned ranks

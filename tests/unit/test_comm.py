@@ -376,6 +376,13 @@ def test_compiled_kernels_use_the_intended_memory_operations():
     for name, code in ptx.items():
         assert "multimem" not in code and ".multicast" not in code, f"{name}: NVLink multicast"
         assert "%globaltimer" in code, f"{name}: waits must time out"
+    for name, code in ptx.items():
+        # the call counter: every warp loads it, one thread stores the next value; a CTA
+        # barrier must come between, or a late warp reads the next call's epoch
+        first_load = code.index("ld.global.b64")
+        first_store = code.index("st.global.b64")
+        assert first_load < first_store, name
+        assert "bar.sync" in code[first_load:first_store], f"{name}: counter read/write race"
     assert "atom.global.sys.release.exch.b64" in ptx["flag"]
     assert "atom.global.sys.acquire.add.u64" in ptx["flag"]
     assert "ld.global.cg.v4" in ptx["flag"]  # peer rows vectorised, never from L1
