@@ -3,6 +3,8 @@ graphs) against HF transformers' DeepseekV3 on the same shapes, batch 1 / 8 / 64
 
 Run on the GPU machine from the repository root:
   PYTHONPATH=$PWD python benchmarks/decode_layer.py --out benchmarks/results [--commit SHA]
+  ... --parallel tp2-ep,tp2,tp1   (Kimi on 2+ GPUs: decode_layer_parallel.{json,md}, each
+      engine in its own process, with the projection to 61 layers on 8 GPUs)
 
 Method. For each published config (benchmarks/configs/), the engine is built with
 `--load-format dummy --num-layers L` for L = d+1 and d+5 (the first d layers are dense, the others
