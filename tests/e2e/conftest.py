@@ -60,3 +60,22 @@ def cli_server():
     yield start
     for s in servers:
         s.close()
+
+
+def greedy_choice(base_url: str, prompt: list[int], max_tokens: int, timeout: float = 60, **extra):
+    """The first choice of a greedy /v1/completions request for token ids `prompt` (special
+    tokens kept in the text, EOS ignored); `extra` adds request fields (e.g. logprobs=5)."""
+    r = httpx.post(
+        f"{base_url}/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            **extra,
+        },
+        timeout=timeout,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]

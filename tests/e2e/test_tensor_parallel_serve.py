@@ -10,12 +10,12 @@ import signal
 import subprocess
 import time
 
-import httpx
 import pytest
 
 from moeserve.engine.engine import LLM
 from moeserve.loader.checkpoint_writer import TinyShape, write_checkpoint
 from moeserve.sampling import SamplingParams
+from tests.e2e.conftest import greedy_choice
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
 MAX_TOKENS = 10
@@ -75,22 +75,7 @@ def _text(s: str) -> str:
 
 
 def _completions(base_url: str) -> list[str]:
-    texts = []
-    for prompt in PROMPTS:
-        r = httpx.post(
-            f"{base_url}/v1/completions",
-            json={
-                "prompt": prompt,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "skip_special_tokens": False,
-            },
-            timeout=60,
-        )
-        assert r.status_code == 200, r.text
-        texts.append(_text(r.json()["choices"][0]["text"]))
-    return texts
+    return [_text(greedy_choice(base_url, p, MAX_TOKENS)["text"]) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])

@@ -14,13 +14,12 @@ not compared; everywhere else tokens must be equal and their logprobs within `LO
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
 from moeserve.dist.comm import NO_MULTICAST_ENV
 from moeserve.loader.checkpoint_writer import KERNEL_SHAPE, write_checkpoint
-from tests.e2e.conftest import CliServer
+from tests.e2e.conftest import CliServer, greedy_choice
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs of one host"
@@ -37,20 +36,7 @@ def _greedy(base_url: str) -> list[list[tuple[str, float, dict[str, float]]]]:
     """Per prompt, per step: (token, its logprob, the top-5 logprobs)."""
     out = []
     for prompt in PROMPTS:
-        r = httpx.post(
-            f"{base_url}/v1/completions",
-            json={
-                "prompt": prompt,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "logprobs": 5,
-                "skip_special_tokens": False,
-            },
-            timeout=120,
-        )
-        assert r.status_code == 200, r.text
-        lp = r.json()["choices"][0]["logprobs"]
+        lp = greedy_choice(base_url, prompt, MAX_TOKENS, timeout=120, logprobs=5)["logprobs"]
         steps = zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True)
         out.append([(t, float(v), dict(top)) for t, v, top in steps])
     return out
