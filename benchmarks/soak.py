@@ -7,7 +7,8 @@ async client at a fixed concurrency: chat and completion streams, streams the cl
 after a few events (aborts), n > 1, prompt lists, bad requests (they must get a 4xx), the
 requests that once killed the engine, long prompts. Then a phase with one 4,096-token
 prompt prefilling while small requests keep arriving (their p50/p99 latency is reported).
-Writes benchmarks/results/soak.json and soak.md.
+Writes benchmarks/results/soak.json and soak.md (soak_TAG.* with --tag; --model and
+--serve-args serve another checkpoint or layout, e.g. a tiny Kimi checkpoint with "-tp 2").
 
     python3 benchmarks/soak.py [--requests 2000] [--concurrency 16] [--port 8765]
 """
@@ -194,10 +195,12 @@ async def wait_idle(client: httpx.AsyncClient, timeout: float = 120.0) -> dict[s
         await asyncio.sleep(0.2)
 
 
-async def prefill_phase(client: httpx.AsyncClient, rng: random.Random, small: int) -> dict:
-    """One 4,096-token prompt prefilling while small requests keep arriving."""
-    tok = await client.post("/tokenize", json={"prompt": words(rng, 5000)})
-    ids = tok.json()["tokens"][:4096]
+async def prefill_phase(
+    client: httpx.AsyncClient, rng: random.Random, small: int, tokens: int = 4096
+) -> dict:
+    """One `tokens`-token prompt prefilling while small requests keep arriving."""
+    tok = await client.post("/tokenize", json={"prompt": words(rng, tokens + 1000)})
+    ids = tok.json()["tokens"][:tokens]
     t0 = time.perf_counter()
     big = asyncio.create_task(client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1}))
     lat: list[float] = []
@@ -266,7 +269,7 @@ async def run(args: argparse.Namespace, pid: int) -> dict:
             half_rss.append(rss_mb(pid))
         wall = time.perf_counter() - t0
         end_rss = half_rss[-1]
-        phase = await prefill_phase(client, rng, args.small_requests)
+        phase = await prefill_phase(client, rng, args.small_requests, args.prefill_tokens)
         idle2 = await wait_idle(client)
         health = (await client.get("/health")).status_code
     statuses = Counter(s for _, s, _, _ in results)
@@ -325,9 +328,16 @@ def main() -> None:
     ap.add_argument("--small-requests", type=int, default=200)
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="checkpoint to serve (default: the CPU default)")
+    ap.add_argument("--serve-args", default="", help='more serve flags, e.g. "-tp 2"')
+    ap.add_argument("--tag", default="", help="results go to soak_TAG.{json,md}")
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--prefill-tokens", type=int, default=4096, help="the long prompt's length")
     args = ap.parse_args()
-    cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--port", str(args.port)]
-    cmd += ["--max-model-len", "8192", "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "moeserve.cli", "serve", *([args.model] if args.model else [])]
+    cmd += ["--port", str(args.port), "--max-model-len", str(args.max_model_len)]
+    cmd += ["--log-level", "warning"]
+    cmd += args.serve_args.split()
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -340,26 +350,39 @@ def main() -> None:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the server did not start: {server.stderr.read()}")
             time.sleep(0.5)
-        out = asyncio.run(run(args, server.pid))
+        try:
+            out = asyncio.run(run(args, server.pid))
+        except Exception:
+            if server.poll() is not None:  # the server died: its last words say why
+                sys.stderr.write(server.stderr.read()[-4000:])
+            raise
     finally:
         server.terminate()
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-    out = {"benchmark": "soak", "model": "SmolLM2-135M-Instruct Q4_1 (CPU default)", **out}
+    model = args.model or "SmolLM2-135M-Instruct Q4_1 (CPU default)"
+    out = {"benchmark": "soak", "model": model, "serve_args": args.serve_args, **out}
     out["env"] = env_info()
     out["server_exit_code_after_sigterm"] = server.returncode
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "soak.json").write_text(json.dumps(out, indent=2))
+    name = f"soak_{args.tag}" if args.tag else "soak"
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
     p = out["prefill_phase"]
     e = out["env"]
     lines = [
-        "# Soak: the CPU server under mixed traffic",
+        f"# Soak: the CPU server under mixed traffic ({model}"
+        + (f", {args.serve_args})" if args.serve_args else ")"),
         "",
         f"commit {e['commit']}, {e['cpu']} ({e['cores']} cores), torch {e['torch']}, "
         f"{e['date']}. `python3 benchmarks/soak.py --requests {args.requests} --concurrency "
-        f"{args.concurrency}`.",
+        f"{args.concurrency}"
+        + (f" --model {args.model}" if args.model else "")
+        + (f' --serve-args "{args.serve_args}"' if args.serve_args else "")
+        + (f" --max-model-len {args.max_model_len}" if args.max_model_len != 8192 else "")
+        + (f" --prefill-tokens {args.prefill_tokens}" if args.prefill_tokens != 4096 else "")
+        + "`.",
         "",
         "| figure | value |",
         "|---|---|",
@@ -373,7 +396,7 @@ def main() -> None:
         f"| server RSS baseline -> after half / all the requests | "
         f"{out['rss_baseline_mb']:.0f} MB -> {out['rss_after_each_half_mb'][0]:.0f} MB -> "
         f"{out['rss_after_mb']:.0f} MB |",
-        f"| 4,096-token prompt: prefill request | {p['prefill_request_s']:.1f} s "
+        f"| {p['prompt_tokens']:,}-token prompt: prefill request | {p['prefill_request_s']:.1f} s "
         f"({p['prefill_tok_s']:.0f} tok/s) |",
         f"| small requests served during that prefill | {p['small_requests_during_prefill']} |",
         f"| their latency p50 / p99 / max | {p['small_p50_s']:.2f} s / {p['small_p99_s']:.2f} s / "
@@ -382,7 +405,7 @@ def main() -> None:
         "",
         "Per kind: " + json.dumps(out["by_kind"]),
     ]
-    (RESULTS / "soak.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -107,6 +107,19 @@ class ModelConfig:
             and i % self.moe_layer_freq == 0
         )
 
+    def context_len(self, requested: int | None) -> int:
+        """The served context: `requested` (--max-model-len), else the model's. Longer than
+        the model's positions is refused: its RoPE table ends there (and a rank past it
+        would fail mid-step, taking every rank with it)."""
+        if requested is None:
+            return self.max_position_embeddings
+        if requested > self.max_position_embeddings:
+            raise ConfigError(
+                f"--max-model-len {requested} exceeds the model's context of "
+                f"{self.max_position_embeddings} tokens (max_position_embeddings)."
+            )
+        return requested
+
     def with_layers(self, n: int) -> ModelConfig:
         """The same model cut to `n` layers (benchmarks on real shapes, fewer layers)."""
         return replace(self, num_hidden_layers=n)

@@ -682,7 +682,7 @@ def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig
     other = CUDA_CONTEXT_BYTES + (COMM_BUFFER_BYTES if tp > 1 else 0)
     total = gpu.memory_bytes
     util = engine.cache.gpu_memory_utilization
-    model_len = sched.max_model_len or cfg.max_position_embeddings
+    model_len = cfg.context_len(sched.max_model_len)
     memory = plan_kv_pages(
         budget_bytes=int(total * util) - other - weights.total - act - graph,
         kv_bytes_per_token=per_token,

@@ -101,7 +101,7 @@ class ModelRunner:
         # step before it (what a profiling rerun of the last step resolves its ids from)
         self.last_sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._prev_sampled = self.last_sampled
-        model_len = config.scheduler.max_model_len or loaded.config.max_position_embeddings
+        model_len = loaded.config.context_len(config.scheduler.max_model_len)
         self.max_rows = config.scheduler.max_num_seqs
         self.graphs: DecodeGraphs | None = None
         self._staging = Staging(self.device)

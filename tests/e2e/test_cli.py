@@ -83,3 +83,18 @@ def test_chat_streams_an_answer():
     )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+def test_max_model_len_beyond_the_model_is_one_line(tmp_path):
+    import json
+
+    out = tmp_path / "kimi"
+    r = _run("make-checkpoint", "--like", "kimi-k2.5", "--format", "nvfp4-modelopt", str(out))
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    limit = cfg.get("text_config", cfg)["max_position_embeddings"]  # the oracle: the file
+    for tp in ([], ["-tp", "2"]):
+        r = _run("serve", str(out), "--max-model-len", str(limit + 1), *tp, "--threads", "1")
+        assert r.returncode == 2, r.stderr[-2000:]
+        lines = [ln for ln in r.stderr.strip().splitlines() if "moeserve: error" in ln]
+        assert len(lines) == 1 and f"exceeds the model's context of {limit}" in lines[0], r.stderr
