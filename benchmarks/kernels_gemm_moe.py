@@ -393,6 +393,30 @@ def bench_one(
         best_cfgs.setdefault(TABLE[kernel], {}).setdefault(f"{n}x{k}", []).append(
             {"max_m": m, **cfg}
         )
+    if kernel == "gemv" and m == 1:  # the same tiles with programmatic dependent launch
+        pdl_cfg = dict(rec["config"], PDL=1)
+        fns = [
+            lambda w=w: nv.nvfp4_gemm(
+                x, *w, out=outs, workspace=workspace, config=pdl_cfg, decode=decode, kernel=kernel
+            )
+            for w in ws
+        ]
+        try:
+            tq = graph_time_us(fns, calls)
+            records.append(
+                {
+                    **rec,
+                    "kernel": "nvfp4_gemm[gemv+pdl]",
+                    "config": pdl_cfg,
+                    **tq,
+                    "GBps": b / tq["us"] / 1e3,
+                    "pct_hbm": 100 * b / tq["us"] / 1e-6 / HBM_BYTES_PER_S,
+                    "speedup_vs_peer": tp["us"] / tq["us"],
+                }
+            )
+            log(f"  gemv+pdl {name:15s} M=1: {tq['us']:8.2f} us ({records[-1]['pct_hbm']:.1f}%)")
+        except Exception as e:  # noqa: BLE001
+            log(f"  gemv+pdl {name} failed: {e!r}"[:600])
     log(
         f"  {kernel} {name:15s} M={m:5d}: {t['us']:8.2f} us ({t['us_min']:.2f}-{t['us_max']:.2f}) "
         f"{rec['GBps']:7.0f} GB/s {rec['pct_hbm']:5.1f}% | torch bf16 {tp['us']:8.2f} us "

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moeserve.kernels.splitk import SplitKWorkspace, choose_split_k, splitk_buffers
+from moeserve.kernels.splitk import SplitKWorkspace, choose_split_k, interpreting, splitk_buffers
 
 GEMV_F16_EXP = tl.constexpr(14)  # decoded f16 values are E2M1 * 2^-14
 
@@ -179,12 +180,15 @@ def gemv_accumulate(
     K_ITERS: tl.constexpr,
     DECODE: tl.constexpr,
     PREFETCH: tl.constexpr = 1,
+    PDL: tl.constexpr = 0,
 ):
     """Partial dot products of R weight rows (pointers w_rows / s_rows [R, 1]) with up to 4 x
     rows (row pointers x_row0..3, used while ok0..3) over K_ITERS tiles of BW words from word
     column kw_begin. Returns four [R, BW/2] fp32 accumulators (x 2^-14; rows past MP stay 0).
     Tiles are loaded PREFETCH tiles ahead of the one being decoded (into registers: no trip
-    through shared memory), so that many bytes per SM are in flight while it computes."""
+    through shared memory), so that many bytes per SM are in flight while it computes.
+    PDL: the first tiles are requested before waiting for the previous kernel in the stream
+    (programmatic dependent launch): weights are constants, x is that kernel's output."""
     acc0 = tl.zeros((R, BW // 2), dtype=tl.float32)
     acc1 = tl.zeros((R, BW // 2), dtype=tl.float32)
     acc2 = tl.zeros((R, BW // 2), dtype=tl.float32)
@@ -192,6 +196,8 @@ def gemv_accumulate(
     kw0 = kw_begin
     q, s8 = _load_words(w_rows, s_rows, n_mask, kw0, KW, BW)
     q1, s81 = _load_words(w_rows, s_rows, n_mask, kw0 + BW, KW, BW)
+    if PDL:
+        gdc_wait()  # the previous kernel's writes (x, out, workspace) are visible after this
     for _ in range(K_ITERS):
         if PREFETCH == 2:
             q2, s82 = _load_words(w_rows, s_rows, n_mask, kw0 + 2 * BW, KW, BW)
@@ -250,10 +256,15 @@ def _nvfp4_gemv_kernel(
     K_ITERS: tl.constexpr,
     DECODE: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     """out [M, N] = x [M, K] @ W^T for MP rows of x per program.
     Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, MP)). With SPLIT_K > 1 the partial sums meet in
-    the zeroed fp32 workspace; the last program of a tile writes out and re-zeroes it."""
+    the zeroed fp32 workspace; the last program of a tile writes out and re-zeroes it.
+    PDL (launched with programmatic stream serialization): the next kernel may launch once
+    every program has started, and this one reads only weights before `gdc_wait`."""
+    if PDL:
+        gdc_launch_dependents()
     BW: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -285,6 +296,7 @@ def _nvfp4_gemv_kernel(
         K_ITERS,
         DECODE,
         PREFETCH,
+        PDL,
     )
     scale = tl.load(gs_ptr) * (2.0**GEMV_F16_EXP)
     o = out_ptr + row0.to(tl.int64) * stride_om + offs_n
@@ -411,6 +423,9 @@ def nvfp4_gemv(
     k_iters = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, k_iters)
     ws, locks = splitk_buffers(split, workspace, grid_m * mp * n, grid_n * grid_m, out)
+    # programmatic dependent launch: a tile-table option until measured (the interpreter
+    # has no grid dependency control)
+    pdl = bool(config.get("PDL", 0)) and not interpreting()
     _nvfp4_gemv_kernel[(grid_n, split, grid_m)](
         x,
         packed.view(torch.int32),
@@ -431,7 +446,9 @@ def nvfp4_gemv(
         K_ITERS=k_iters,
         DECODE=decode,
         PREFETCH=config.get("PREFETCH", 1),
+        PDL=int(pdl),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
+        launch_pdl=pdl,
     )
     return out

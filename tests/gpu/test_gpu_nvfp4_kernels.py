@@ -51,3 +51,36 @@ def test_moe_paths(kernel, m):
     x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
     y = moe.fused_moe_nvfp4(x, ids, tw, w13, s13, g13, w2, s2, g2, kernel=kernel)
     _close(y, moe.fused_moe_nvfp4_ref(x, ids, tw, w13, s13, g13, w2, s2, g2))
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_gemv_with_programmatic_dependent_launch_in_a_graph(split_k):
+    """PDL: each GEMV reads the previous one's output (a chain in one CUDA graph, so a wait
+    placed too late would read a stale x); bit-equal to the same chain without PDL."""
+    from moeserve.kernels.configs import tile_config
+
+    torch.manual_seed(7)
+    n = k = 1024
+    ws = [fmt.quantize_nvfp4(torch.randn(n, k, device="cuda") * 0.03) for _ in range(4)]
+    base = dict(tile_config("nvfp4_gemv", 1, f"{n}x{k}"), SPLIT_K=split_k)
+    x0 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+
+    def chain(cfg: dict) -> list[torch.Tensor]:
+        outs = [torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            x = x0
+            for w, o in zip(ws, outs, strict=True):
+                x = nv.nvfp4_gemm(x, *w, out=o, config=cfg, kernel="gemv")
+        g.replay()
+        torch.cuda.synchronize()
+        return outs
+
+    plain, pdl = chain(dict(base, PDL=0)), chain(dict(base, PDL=1))
+    for a, b in zip(plain, pdl, strict=True):
+        assert torch.equal(a, b)
+    x = x0
+    for w, got in zip(ws, plain, strict=True):  # and the chain itself against the reference
+        ref = nv.nvfp4_gemm_ref(x, *w)
+        _close(got, ref)
+        x = got

@@ -287,3 +287,51 @@ def test_default_kernel_by_rows(monkeypatch):
     assert choice(20, "128x512", packed, torch.device("cpu")) == "mma"
     _, odd, _, _ = _case(1, 96, 512)  # 96 rows: not a multiple of the MMA GEMV's 64-row tile
     assert choice(4, "96x512", odd, torch.device("cpu")) == "gemv"
+
+
+_PDL_PTX = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moeserve.kernels import nvfp4_gemv as g
+
+def ptx(pdl):
+    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", gs_ptr="*fp32", out_ptr="*bf16",
+               ws_ptr="*fp32", lock_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
+               stride_om="i32")
+    const = dict(MP=1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, K_ITERS=28, DECODE=1, PREFETCH=2,
+                 PDL=pdl)
+    sig.update({k: "constexpr" for k in const})
+    names = list(sig)
+    src = ASTSource(fn=g._nvfp4_gemv_kernel, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in const.items()})
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return out.asm["ptx"]
+
+print(json.dumps({"pdl": ptx(1), "plain": ptx(0)}))
+"""
+
+
+def test_pdl_gemv_reads_only_weights_before_its_wait():
+    """Compiled for sm_90 on the CPU: with PDL the kernel lets its dependents launch, issues
+    its first weight tiles, then waits; x, the output and the workspace come after the wait.
+    Without PDL no grid dependency control is emitted."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PDL_PTX], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "griddepcontrol" not in ptx["plain"]
+    code = ptx["pdl"]
+    launch, wait = code.index("griddepcontrol.launch_dependents"), code.index("griddepcontrol.wait")
+    assert launch < wait and code.count("griddepcontrol.wait") == 1
+    before, after = code[:wait], code[wait:]
+    assert before.count("ld.global") >= 2  # weight words and scales of the first tiles
+    assert "st.global" not in before and "atom." not in before  # nothing written before it
+    assert "ld.global" in after  # x is read after the wait
