@@ -36,12 +36,18 @@ from moeserve.kernels.norm import add_rmsnorm
 
 log = logging.getLogger(__name__)
 
-# Largest message (bytes per rank) the one-shot path takes; NCCL above. Measured on 2 H200
-# (shared/PERF.md, torch 2.11, CUDA graphs): torch's symmetric-memory one-shot all-reduce
-# takes 6.9 / 7.5 / 12.2 us at 14 KB / 112 KB / 896 KB against NCCL's 18.8 / 18.0 / 23.7 us,
-# so one-shot still wins at 896 KB (64 tokens x 7168 bf16); 1 MiB keeps that case on it.
-# benchmarks/allreduce.py measures the crossover of this kernel; pass another value to move it.
+# Largest message (bytes per rank) the one-shot path takes; NCCL above. On 2 H200s this
+# kernel beats NCCL at every size measured, 2.4x at 3.5 MB (256 tokens x 7168 bf16: 17.7 vs
+# 43.1 us, benchmarks/results/allreduce.md): 4 MiB there. With more ranks every rank reads
+# more peers per row and the crossover is not measured yet: 1 MiB (64 tokens of 7168), where
+# torch's one-shot on 2 GPUs already won by 2x (shared/PERF.md).
 ONE_SHOT_MAX_BYTES = 1 << 20
+ONE_SHOT_MAX_BYTES_2_RANKS = 4 << 20
+
+
+def one_shot_max_bytes_for(world: int) -> int:
+    """The one-shot threshold for a group of `world` ranks (measured where it differs)."""
+    return ONE_SHOT_MAX_BYTES_2_RANKS if world == 2 else ONE_SHOT_MAX_BYTES
 
 # "lamport" (push; data doubles as the signal) or "flag" (pull after a release/acquire flag
 # exchange): moeserve/kernels/allreduce.py; benchmarks/allreduce.py times both. Lamport is
@@ -494,7 +500,7 @@ def create_communicator(
     max_tokens: int,
     hidden: int,
     dtype: torch.dtype,
-    one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES,
+    one_shot_max_bytes: int | None = None,
     prefer: str = "auto",
     cpu_group: Any = None,
     protocol: str = DEFAULT_PROTOCOL,
@@ -502,7 +508,8 @@ def create_communicator(
     """The group's communicator (collective: every rank calls it with the same arguments).
 
     `max_tokens`: the largest batch of rows of `hidden` an all-reduce will carry (sizes the
-    one-shot buffers); `prefer`: "auto", "nccl" or "one-shot" (ParallelConfig.all_reduce;
+    one-shot buffers); `one_shot_max_bytes`: NCCL above it (default: measured per group
+    size, `one_shot_max_bytes_for`); `prefer`: "auto", "nccl" or "one-shot" (ParallelConfig.all_reduce;
     "one-shot" still falls back where peers cannot reach each other); `cpu_group`: a gloo
     group for the start-up host collectives (default: `group`); `protocol`: the one-shot
     kernel's ("lamport" or "flag", see moeserve.kernels.allreduce).
@@ -519,6 +526,8 @@ def create_communicator(
         os.environ[k] = v
     nccl = "nccl"
     topology = probe_topology(host_group, world, device, need_atomics=protocol == "flag")
+    if one_shot_max_bytes is None:
+        one_shot_max_bytes = one_shot_max_bytes_for(world)
     rows = one_shot_rows(max_tokens, hidden, dtype, one_shot_max_bytes)
     kind, why = choose(world, device.type, topology, _symm_mem_reason(), rows, prefer)
     if kind != "one-shot":
