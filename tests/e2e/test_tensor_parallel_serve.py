@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 
+import httpx
 import pytest
 
 from moeserve.engine.engine import LLM
@@ -109,3 +110,38 @@ def test_a_dying_rank_stops_the_server_with_one_line(cli_server, checkpoints):
     out = server.close()
     lines = [ln for ln in out.splitlines() if "moeserve: error:" in ln]
     assert len(lines) == 1 and "rank" in lines[0] and "exited" in lines[0], out[-2000:]
+
+
+# Requests that must not disturb the ranks: each is refused with a 4xx before it reaches them
+# (a request that failed inside one rank's forward would take every rank down), or served.
+ODD_REQUESTS = [
+    ({"prompt": list(range(5, 400)), "max_tokens": 2}, 400),  # longer than --max-model-len
+    ({"prompt": [5, 6], "max_tokens": 2, "logit_bias": {"999999": 5}}, 400),  # beyond vocab
+    ({"prompt": [5, 6], "max_tokens": 2, "stop_token_ids": [10**9]}, 400),
+    ({"prompt": [], "max_tokens": 2}, 400),
+    ({"prompt": [5, 6], "max_tokens": 10**9}, 400),
+    ({"prompt": [5, 6], "max_tokens": 3, "n": 3, "temperature": 1.0, "seed": 3}, 200),
+    ({"prompt": [5, 6], "max_tokens": 3, "repetition_penalty": 1e-38, "temperature": 1}, 200),
+    ({"prompt": [5, 6], "max_tokens": 3, "logit_bias": {"7": -100, "8": 100}}, 200),
+]
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
+def test_odd_requests_leave_the_ranks_serving(cli_server, checkpoints, ep):
+    path, want = checkpoints["kimi-nvfp4"]
+    extra = ["--enable-expert-parallel"] if ep else []
+    server = cli_server(
+        path, "-tp", "2", *extra, "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "256", "--threads", "1",
+    )  # fmt: skip
+    url = f"{server.base_url}/v1/completions"
+    for body, status in ODD_REQUESTS:
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == status, (body, r.text)
+        if status >= 400:
+            assert r.json()["error"]["message"], r.text
+    with httpx.stream("POST", url, json={"prompt": [5, 6], "max_tokens": 50, "stream": True},
+                      timeout=60) as r:  # fmt: skip
+        next(r.iter_lines())  # the client goes away mid-stream
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+    assert _completions(server.base_url) == want  # and the same tokens as one process
