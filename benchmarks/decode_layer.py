@@ -131,20 +131,23 @@ def _host_profile(engine, steps: int = 48) -> str:
     return out.getvalue()
 
 
-def _moe_layer_bytes(engine, batch: int, parts: bool = False) -> tuple[int, float]:
-    """Bytes one MoE layer reads per step at `batch` on rank 0 (its slice under tensor
-    parallelism, its experts under expert parallelism; distinct experts by uniform routing)."""
-    model = engine.runner.model
-    layer = next(lay for lay in model.model.layers if hasattr(lay.mlp, "experts"))
+def _layer_byte_parts(engine) -> tuple[int, float, int]:
+    """(bytes of a MoE layer besides its routed experts, bytes of one routed expert, routed
+    experts held) on rank 0: its slice under tensor parallelism, its experts under EP."""
+    layer = next(lay for lay in engine.runner.model.model.layers if hasattr(lay.mlp, "experts"))
     experts = layer.mlp.experts
     e = experts.layout.num_local
-    cfg = engine.loaded.config
-    k, total = cfg.num_experts_per_tok, cfg.n_routed_experts
     expert_bytes = sum(p.numel() * p.element_size() for p in experts.parameters()) / e
     rest = sum(p.numel() * p.element_size() for p in layer.parameters()) - expert_bytes * e
-    touched = e * (1 - (1 - k / total) ** batch)
-    if parts:
-        return int(rest), expert_bytes
+    return int(rest), expert_bytes, e
+
+
+def _moe_layer_bytes(engine, batch: int) -> tuple[int, float]:
+    """Bytes one MoE layer reads per step at `batch` on rank 0, and the distinct experts it
+    touches (uniform routing)."""
+    rest, expert_bytes, e = _layer_byte_parts(engine)
+    cfg = engine.loaded.config
+    touched = e * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
     return int(rest + touched * expert_bytes), touched
 
 
@@ -181,7 +184,7 @@ def bench_engine(name: str, path: Path, layers: int, tp: int = 1, ep: bool = Fal
         print(f"{name} L={layers} B={b}: {ms:.3f} ms/step", flush=True)
         print(prof["table"], flush=True)
     row["moe_layer_bytes"] = {str(b): _moe_layer_bytes(engine, b) for b in BATCHES}
-    row["bytes_parts"] = _moe_layer_bytes(engine, 1, parts=True)  # (rest, one expert)
+    row["bytes_parts"] = _layer_byte_parts(engine)[:2]  # (rest, one expert)
     engine.shutdown()
     del engine
     gc.collect()
@@ -237,7 +240,6 @@ def summarize(out: dict) -> dict:
             "ms": ms,
             "gpu_ms": gpu_ms,
             "all_reduce_ms": (ar[1] - ar[0]) / apart,
-            "bytes_parts": lo.get("bytes_parts"),
             "step_ms": {str(n): row_of[n]["batches"][key]["ms_per_step"] for n in layers},
             "gpu_step_ms": {str(n): row_of[n]["batches"][key]["kernel_ms"] for n in layers},
             "bytes": nbytes,
@@ -367,7 +369,9 @@ def _layout(name: str) -> tuple[int, bool]:
 def _split_bytes(runs: dict) -> tuple[float, float, float]:
     """(replicated, sharded at TP1, one expert) bytes of a MoE layer from the TP1 and TP2+EP
     runs: rest(tp) = R + S / tp, so the two measurements give R and S."""
-    (b1, expert), (b2, _) = (runs[k]["per_layer"]["1"]["bytes_parts"] for k in ("tp1", "tp2-ep"))
+    (b1, expert), (b2, _) = (
+        runs[k]["layers"][str(runs[k]["layer_counts"][0])]["bytes_parts"] for k in ("tp1", "tp2-ep")
+    )
     sharded = 2 * (b1 - b2)
     return b1 - sharded, sharded, expert
 
