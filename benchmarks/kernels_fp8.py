@@ -1,5 +1,6 @@
-"""Block-FP8 kernels on DeepSeek-V3 shapes: the dense GEMM (tensor-core tl.dot path) and the
-fused block-FP8 MoE (8 of 256 experts), graph-timed, weights cycled past L2.
+"""Block-FP8 kernels on DeepSeek-V3 shapes: the dense GEMM (CUDA-core GEMV for decode rows and
+the tensor-core tl.dot kernel) and the fused block-FP8 MoE (8 of 256 experts), graph-timed,
+weights cycled past L2.
 
 Run on the GPU machine from the repository root:
   PYTHONPATH=$PWD python benchmarks/kernels_fp8.py --out-dir benchmarks/results [--sweep]
@@ -27,7 +28,7 @@ from common import git_commit
 from kernels_gemm_moe import graph_time_us, n_copies
 
 from moeserve.kernels import fp8_block_gemm as f8
-from moeserve.kernels.configs import tile_config
+from moeserve.kernels.configs import max_rows, tile_config
 from moeserve.kernels.moe_fp8 import (
     fp8_moe_kernel_for,
     fused_moe_fp8,
@@ -43,11 +44,14 @@ SHAPES = {  # DeepSeek-V3 (N, K), one GPU
     "shared_down": (7168, 2048),
     "dense_gate_up": (36864, 7168),
     "dense_down": (7168, 18432),
+    "q_a_kv_a_proj": (2112, 7168),  # q_a_proj and kv_a_proj_with_mqa, fused
+    "kv_b_proj": (32768, 512),
 }
 GEMM_MS = (1, 2, 4, 8, 16, 64)
 MOE = {"E": 256, "H": 7168, "I": 2048, "topk": 8}
 MOE_MS = (1, 16, 64, 256)
 SWEEP_MS = (1, 4)  # the GEMM sweep runs at these row counts
+GEMV_MAX_BENCH_M = 4  # the CUDA-core GEMV is timed up to here, the tensor-core kernel everywhere
 GEMM_SWEEP = [
     {"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 0, "num_warps": w, "num_stages": s}
     for bn, bk in ((32, 128), (64, 128), (128, 64), (64, 64))
@@ -64,6 +68,12 @@ MOE_GEMV_M1_SWEEP = [
     for bn, bn2 in ((16, 16), (32, 16), (32, 64), (16, 32))
     for w in (4, 8)
     for s in (1, 3, 4)
+] + [
+    {"BLOCK_N": bn, "DOWN_BLOCK_N": bn2, "BLOCK_K": 128, "num_warps": w, "num_stages": 1}
+    | {"STAGES": st}
+    for bn, bn2 in ((16, 32), (32, 64))
+    for w in (2, 4)
+    for st in (3, 4)
 ]
 MOE_MMA_SWEEP = [
     {"BLOCK_M": bm, "BLOCK_N": bn, "DOWN_BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w}
@@ -87,55 +97,70 @@ def rand_fp8(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tens
     return out
 
 
-def bench_gemm(records: list, sweep: bool) -> None:
+def bench_gemm(records: list, checks: list, sweep: bool) -> None:
     log("== block-FP8 dense GEMM, DeepSeek-V3 shapes ==")
     for name, (n, k) in SHAPES.items():
-        one = n * k + 4 * (n // 128) * (k // 128)
+        one = n * k + 4 * (-(-n // 128)) * (-(-k // 128))
         ws = rand_fp8(n, k, n_copies(one))
         dense = [f8.dequantize_fp8_block(w, s) for w, s in ws[:2]]
+        key = f"{n}x{k}"
         for m in GEMM_MS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             b = one + 2 * m * (n + k)
             peer = graph_time_us([lambda d=d, x=x: torch.matmul(x, d.t()) for d in dense], 20, 5)
-            cfgs: list = [None]
-            if sweep and m in SWEEP_MS:
-                cfgs += GEMM_SWEEP
-            best = None
-            for cfg in cfgs:
-                fns = [
-                    lambda w=w, s=s, cfg=cfg, x=x: f8.fp8_block_gemm(x, w, s, config=cfg)
-                    for w, s in ws
-                ]
-                try:
-                    t = graph_time_us(fns, 50, 5)
-                except Exception as e:  # noqa: BLE001
-                    log(f"  {name} M={m} {cfg} failed: {e!r}"[:400])
+            chosen = "gemv" if m <= max_rows(f8.GEMV_TABLE, key) else "mma"
+            kernels = ("gemv", "mma") if m <= GEMV_MAX_BENCH_M else ("mma",)
+            for kernel in kernels:
+                if m == 1:
+                    ref = f8.fp8_block_gemm_ref(x, *ws[0]).float()
+                    got = f8.fp8_block_gemm(x, *ws[0], kernel=kernel).float()
+                    err = (got - ref).abs().max().item()
+                    ok = err <= 2e-2 * ref.abs().max().item()
+                    checks.append({"check": f"{kernel} {name} M=1", "max_abs_err": err, "ok": ok})
+                    log(f"  check {kernel} {name} M=1: max_err={err:.3g} {'OK' if ok else 'FAIL'}")
+                cfgs: list = [None]
+                if sweep and kernel == "mma" and m in SWEEP_MS:
+                    cfgs += GEMM_SWEEP
+                best = None
+                for cfg in cfgs:
+                    fns = [
+                        lambda w=w, s=s, cfg=cfg, x=x, kernel=kernel: f8.fp8_block_gemm(
+                            x, w, s, config=cfg, kernel=kernel
+                        )
+                        for w, s in ws
+                    ]
+                    try:
+                        t = graph_time_us(fns, 50, 5)
+                    except Exception as e:  # noqa: BLE001
+                        log(f"  {name} M={m} {kernel} {cfg} failed: {e!r}"[:400])
+                        continue
+                    if best is None or t["us"] < best[1]["us"]:
+                        best = (cfg, t)
+                if best is None:
                     continue
-                if best is None or t["us"] < best[1]["us"]:
-                    best = (cfg, t)
-            if best is None:
-                continue
-            cfg, t = best
-            rec = {
-                "kernel": "fp8_block_gemm[mma]",
-                "shape": name,
-                "N": n,
-                "K": k,
-                "M": m,
-                "config": cfg or tile_config("fp8_block_gemm", m, f"{n}x{k}"),
-                "swept": cfg is not None,
-                **t,
-                "pct_hbm": 100 * b / (t["us"] * 1e-6) / HBM,
-                "peer": "torch.matmul bf16 (dequantized weight)",
-                "peer_us": peer["us"],
-                "speedup_vs_peer": peer["us"] / t["us"],
-            }
-            records.append(rec)
-            log(
-                f"  {name:15s} M={m:3d} {t['us']:8.2f} us "
-                f"{rec['pct_hbm']:5.1f}% HBM  cuBLAS bf16 {peer['us']:8.2f} us "
-                f"x{rec['speedup_vs_peer']:.2f} cfg={cfg}"
-            )
+                cfg, t = best
+                table = f8.GEMV_TABLE if kernel == "gemv" else "fp8_block_gemm"
+                rec = {
+                    "kernel": f"fp8_block_gemm[{kernel}]",
+                    "shape": name,
+                    "N": n,
+                    "K": k,
+                    "M": m,
+                    "config": cfg or tile_config(table, m, key),
+                    "swept": cfg is not None,
+                    "chosen": kernel == chosen,
+                    **t,
+                    "pct_hbm": 100 * b / (t["us"] * 1e-6) / HBM,
+                    "peer": "torch.matmul bf16 (dequantized weight)",
+                    "peer_us": peer["us"],
+                    "speedup_vs_peer": peer["us"] / t["us"],
+                }
+                records.append(rec)
+                log(
+                    f"  {name:15s} M={m:3d} {kernel:4s} {t['us']:8.2f} us "
+                    f"{rec['pct_hbm']:5.1f}% HBM  cuBLAS bf16 {peer['us']:8.2f} us "
+                    f"x{rec['speedup_vs_peer']:.2f} cfg={cfg}{' (chosen)' if rec['chosen'] else ''}"
+                )
         del ws, dense
         torch.cuda.empty_cache()
 
@@ -251,14 +276,17 @@ def write_markdown(path: Path, meta: dict, records: list, checks: list) -> None:
         "",
         f"GPU correctness checks: {sum(c['ok'] for c in checks)}/{len(checks)} passed.",
         "",
-        "| kernel | shape | M | us | % HBM | peer | peer us | x peer | config |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Dense rows: `chosen` marks the kernel fp8_block_gemm picks at that M (tiles.json).",
+        "",
+        "| kernel | shape | M | us | % HBM | peer | peer us | x peer | chosen | config |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         lines.append(
             f"| {r['kernel']} | {r.get('shape', '8/256 experts')} | {r['M']} | {r['us']:.2f} | "
             f"{r['pct_hbm']:.1f} | {r['peer']} | {r['peer_us']:.2f} | "
-            f"{r['speedup_vs_peer']:.2f} | {json.dumps(r['config'], sort_keys=True)} |"
+            f"{r['speedup_vs_peer']:.2f} | {'yes' if r.get('chosen', True) else ''} | "
+            f"{json.dumps(r['config'], sort_keys=True)} |"
         )
     path.write_text("\n".join(lines) + "\n")
 
@@ -284,7 +312,7 @@ def main() -> int:
     records: list = []
     checks: list = []
     if "gemm" not in skip:
-        bench_gemm(records, args.sweep)
+        bench_gemm(records, checks, args.sweep)
     if "moe" not in skip:
         bench_moe(records, checks, args.sweep)
     out = Path(args.out_dir)

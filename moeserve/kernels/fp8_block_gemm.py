@@ -58,7 +58,12 @@ def fp8_block_gemm_ref(
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton kernel: W8A16, dequantized in registers (Hopper has no FP8 x BF16 MMA; quantizing the
+# Triton kernels: W8A16, dequantized in registers. Decode rows (M <= 4) take the CUDA-core
+# GEMV: a weight tile is converted once and feeds one FMA per element per row, the block scale
+# folded into the activation chunk, and the K loop names its stages so that Triton streams the
+# tiles through shared memory by cp.async (bytes in flight then cost no registers; without it
+# the loop kept too few requests in flight to approach HBM speed). Otherwise the tensor-core
+# kernel (Hopper has no FP8 x BF16 MMA; quantizing the
 # activations to FP8 for native wgmma would change the numerics and only pays off in
 # compute-bound prefill, while decode is bound by the 1-byte weight reads either way).
 # The weight tile (e4m3 -> bf16 by the hardware converter) feeds tl.dot; the 128x128 block
@@ -69,7 +74,7 @@ def fp8_block_gemm_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from moeserve.kernels.configs import tile_config  # noqa: E402
+from moeserve.kernels.configs import max_rows, tile_config  # noqa: E402
 from moeserve.kernels.splitk import (  # noqa: E402
     SplitKWorkspace,
     _splitk_finish,
@@ -77,6 +82,141 @@ from moeserve.kernels.splitk import (  # noqa: E402
     interpreting,
     splitk_buffers,
 )
+
+
+@triton.jit
+def _load_w(rows, n_ok, kk, K, SCALED: tl.constexpr):
+    """Weight tile [R, BK] (rows: pointers [R, 1]) as fp32; e4m3 bytes when SCALED."""
+    w = tl.load(rows + kk[None, :], mask=n_ok & (kk[None, :] < K), other=0)
+    if SCALED:
+        w = w.to(tl.float8e4nv, bitcast=True)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _slot_dot(acc, w, x_row, ok, kk, K, s):
+    """acc [R] += (w [R, BK] . x[kk]) * s: the scale folded into the activation chunk."""
+    xv = tl.load(x_row + kk, mask=ok & (kk < K), other=0.0).to(tl.float32) * s
+    return acc + tl.sum(w * xv[None, :], axis=1)
+
+
+@triton.jit
+def fp8_gemv_rows(
+    x0,
+    x1,
+    x2,
+    x3,
+    ok0,
+    ok1,
+    ok2,
+    ok3,
+    rows,
+    n_ok,
+    s_row,
+    k_begin,
+    K,
+    R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MP: tl.constexpr,
+    SCALED: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    STAGES: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr = 128,
+):
+    """Dot products of R weight rows (pointers [R, 1], one 128-row scale block whose scale row
+    starts at s_row) with up to 4 activation rows x0..x3 over K_ITERS tiles of BLOCK_K columns
+    from column k_begin -> four [R] fp32 accumulators (rows past MP stay 0). BLOCK_K divides
+    128, so a tile has one scale; each weight tile is converted once and serves every row.
+    STAGES > 0 lets Triton pipeline the weight tiles through that many shared-memory buffers
+    (it pipelines loads that feed no tl.dot only when the loop names its stages)."""
+    acc0 = tl.zeros((R,), dtype=tl.float32)
+    acc1 = tl.zeros((R,), dtype=tl.float32)
+    acc2 = tl.zeros((R,), dtype=tl.float32)
+    acc3 = tl.zeros((R,), dtype=tl.float32)
+    for it in tl.range(0, K_ITERS, num_stages=STAGES if STAGES > 0 else None):
+        k0 = k_begin + it * BLOCK_K
+        kk = k0 + tl.arange(0, BLOCK_K)
+        w = _load_w(rows, n_ok, kk, K, SCALED)
+        s = 1.0
+        if SCALED:
+            s = tl.load(s_row + k0 // SCALE_BLOCK)
+        acc0 = _slot_dot(acc0, w, x0, ok0, kk, K, s)
+        if MP > 1:
+            acc1 = _slot_dot(acc1, w, x1, ok1, kk, K, s)
+        if MP > 2:
+            acc2 = _slot_dot(acc2, w, x2, ok2, kk, K, s)
+            acc3 = _slot_dot(acc3, w, x3, ok3, kk, K, s)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _fp8_block_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    ws_ptr,
+    lock_ptr,
+    M,
+    N,
+    K,
+    KB,
+    stride_xm,
+    stride_om,
+    MP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """out [M, N] = x @ dequant(W)^T for MP <= 4 rows of x per program, on CUDA cores: grid
+    (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, MP)); BLOCK_N divides 128, so the program's rows share
+    one row of block scales."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row0 = tl.program_id(2) * MP
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    s_row = s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK).to(tl.int64) * KB
+    x0 = x_ptr + row0.to(tl.int64) * stride_xm
+    a0, a1, a2, a3 = fp8_gemv_rows(
+        x0,
+        x0 + stride_xm,
+        x0 + 2 * stride_xm,
+        x0 + 3 * stride_xm,
+        row0 < M,
+        row0 + 1 < M,
+        row0 + 2 < M,
+        row0 + 3 < M,
+        rows,
+        n_ok[:, None],
+        s_row,
+        pid_k * K_ITERS * BLOCK_K,
+        K,
+        BLOCK_N,
+        BLOCK_K,
+        MP,
+        True,
+        K_ITERS,
+        STAGES,
+        SCALE_BLOCK,
+    )
+    # [BLOCK_N, MP] in row order (each join adds the new lowest index)
+    if MP == 1:
+        acc = tl.reshape(a0, (BLOCK_N, 1))
+    elif MP == 2:
+        acc = tl.join(a0, a1)
+    else:
+        acc = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (BLOCK_N, 4))
+    offs_m = row0 + tl.arange(0, MP)
+    mask = n_ok[:, None] & (offs_m[None, :] < M)
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    ws_ptrs = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+    tile = tl.program_id(2) * tl.num_programs(0) + pid_n
+    _splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr + tile, mask, SPLIT_K)
 
 
 @triton.jit
@@ -140,10 +280,13 @@ def fp8_block_gemm(
     out: torch.Tensor | None = None,
     workspace: SplitKWorkspace | None = None,
     config: dict[str, int] | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """x [M, K] bf16 @ dequant(w_fp8 [N, K], scale_inv [ceil(N/128), ceil(K/128)])^T -> [M, N].
 
-    BLOCK_K must divide 128 (one scale per K-step); `workspace` as in nvfp4_gemm.
+    `kernel`: "gemv" (CUDA cores, up to 4 rows per weight pass), "mma" (tensor cores) or None:
+    gemv up to tiles.json's "fp8_block_gemv" max_m, else mma. BLOCK_K must divide 128 (one
+    scale per K-step), and so must the GEMV's BLOCK_N; `workspace` as in nvfp4_gemm.
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with unit stride along K, got {tuple(x.shape)}")
@@ -167,7 +310,15 @@ def fp8_block_gemm(
         raise ValueError(f"out must be [{m}, {n}] with unit stride, got {tuple(out.shape)}")
     if m == 0:
         return out
-    cfg = config or tile_config("fp8_block_gemm", m, f"{n}x{k}")
+    key = f"{n}x{k}"
+    if kernel is None:
+        kernel = "gemv" if m <= max_rows(GEMV_TABLE, key) else "mma"
+    if kernel == "gemv":
+        cfg = {**tile_config(GEMV_TABLE, m, key), **(config or {})}
+        return _fp8_block_gemv(x, w_fp8, scale_inv, out, workspace, cfg)
+    if kernel != "mma":
+        raise ValueError(f"unknown block-FP8 GEMM kernel {kernel!r}")
+    cfg = config or tile_config("fp8_block_gemm", m, key)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if FP8_BLOCK % bk:
         raise ValueError(f"BLOCK_K={bk} must divide {FP8_BLOCK}")
@@ -197,6 +348,57 @@ def fp8_block_gemm(
         SPLIT_K=split,
         K_ITERS=k_iters,
         DOT_F32=interpreting(),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+GEMV_TABLE = "fp8_block_gemv"
+GEMV_MAX_MP = 4  # x rows per program (one weight pass serves them all)
+
+
+def _fp8_block_gemv(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    workspace: SplitKWorkspace | None,
+    cfg: dict[str, int],
+) -> torch.Tensor:
+    """The CUDA-core path of fp8_block_gemm (arguments checked there)."""
+    m, k = x.shape
+    n = w_fp8.shape[0]
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if FP8_BLOCK % bk or FP8_BLOCK % bn:
+        raise ValueError(f"BLOCK_N={bn} and BLOCK_K={bk} must divide {FP8_BLOCK}")
+    mp = 1 if m == 1 else 2 if m == 2 else GEMV_MAX_MP
+    grid_n, grid_m = triton.cdiv(n, bn), triton.cdiv(m, mp)
+    k_tiles = triton.cdiv(k, bk)
+    split = choose_split_k(cfg["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
+    k_iters = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, k_iters)
+    ws, locks = splitk_buffers(split, workspace, grid_m * mp * n, grid_n * grid_m, out)
+    _fp8_block_gemv_kernel[(grid_n, split, grid_m)](
+        x,
+        w_fp8.view(torch.uint8),
+        scale_inv,
+        out,
+        ws,
+        locks,
+        m,
+        n,
+        k,
+        triton.cdiv(k, FP8_BLOCK),
+        x.stride(0),
+        out.stride(0),
+        MP=mp,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SCALE_BLOCK=FP8_BLOCK,
+        SPLIT_K=split,
+        K_ITERS=k_iters,
+        STAGES=cfg.get("STAGES", 0),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.configs import max_rows, tile_config
-from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block
+from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block, fp8_gemv_rows
 from moeserve.kernels.moe import COMBINE_BLOCK_H, _block_slots, _moe_combine_kernel, moe_align
 from moeserve.kernels.splitk import interpreting
 
@@ -74,64 +74,6 @@ def fused_moe_fp8_ref(
 
 
 @triton.jit
-def _load_w(rows, n_ok, kk, K, SCALED: tl.constexpr):
-    """Weight tile [R, BK] (rows: pointers [R, 1]) as fp32; e4m3 bytes when SCALED."""
-    w = tl.load(rows + kk[None, :], mask=n_ok & (kk[None, :] < K), other=0)
-    if SCALED:
-        w = w.to(tl.float8e4nv, bitcast=True)
-    return w.to(tl.float32)
-
-
-@triton.jit
-def _slot_dot(acc, w, x_row, ok, kk, K, s):
-    """acc [R] += (w [R, BK] . x[kk]) * s: the scale folded into the activation chunk."""
-    xv = tl.load(x_row + kk, mask=ok & (kk < K), other=0.0).to(tl.float32) * s
-    return acc + tl.sum(w * xv[None, :], axis=1)
-
-
-@triton.jit
-def _gemv_rows(
-    x0,
-    x1,
-    x2,
-    x3,
-    ok0,
-    ok1,
-    ok2,
-    ok3,
-    rows,
-    n_ok,
-    s_row,
-    K,
-    R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    MP: tl.constexpr,
-    SCALED: tl.constexpr,
-    K_ITERS: tl.constexpr,
-):
-    """Dot products of R weight rows (pointers [R, 1], one 128-row scale block whose scale row
-    starts at s_row) with up to 4 activation rows x0..x3 -> four [R] fp32 accumulators."""
-    acc0 = tl.zeros((R,), dtype=tl.float32)
-    acc1 = tl.zeros((R,), dtype=tl.float32)
-    acc2 = tl.zeros((R,), dtype=tl.float32)
-    acc3 = tl.zeros((R,), dtype=tl.float32)
-    for it in range(K_ITERS):
-        k0 = it * BLOCK_K
-        kk = k0 + tl.arange(0, BLOCK_K)
-        w = _load_w(rows, n_ok, kk, K, SCALED)
-        s = 1.0
-        if SCALED:
-            s = tl.load(s_row + k0 // 128)
-        acc0 = _slot_dot(acc0, w, x0, ok0, kk, K, s)
-        if MP > 1:
-            acc1 = _slot_dot(acc1, w, x1, ok1, kk, K, s)
-        if MP > 2:
-            acc2 = _slot_dot(acc2, w, x2, ok2, kk, K, s)
-            acc3 = _slot_dot(acc3, w, x3, ok3, kk, K, s)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
 def _store_act(g, u, slot, Mk, inter_ptr, offs_n, INTER):
     h = g / (1.0 + tl.exp(-g)) * u
     ptrs = inter_ptr + slot.to(tl.int64) * INTER + offs_n
@@ -156,6 +98,7 @@ def _moe_gate_up_gemv_kernel(
     BLOCK_K: tl.constexpr,
     SCALED: tl.constexpr,
     K_ITERS: tl.constexpr,
+    STAGES: tl.constexpr = 0,
 ):
     """inter[slot, n] = silu(gate) * up for the MP slots of block pid(0), columns of tile
     pid(1). Blocks vary fastest, so the blocks of one expert read a tile about together."""
@@ -177,7 +120,7 @@ def _moe_gate_up_gemv_kernel(
     x2 = x_ptr + (s2 // TOPK).to(tl.int64) * stride_xm
     x3 = x_ptr + (s3 // TOPK).to(tl.int64) * stride_xm
     ok0, ok1, ok2, ok3 = s0 < Mk, s1 < Mk, s2 < Mk, s3 < Mk
-    g0, g1, g2, g3 = _gemv_rows(
+    g0, g1, g2, g3 = fp8_gemv_rows(
         x0,
         x1,
         x2,
@@ -189,14 +132,16 @@ def _moe_gate_up_gemv_kernel(
         g_rows,
         n_ok,
         g_s,
+        0,
         H,
         BLOCK_N,
         BLOCK_K,
         MP,
         SCALED,
         K_ITERS,
+        STAGES,
     )
-    u0, u1, u2, u3 = _gemv_rows(
+    u0, u1, u2, u3 = fp8_gemv_rows(
         x0,
         x1,
         x2,
@@ -208,12 +153,14 @@ def _moe_gate_up_gemv_kernel(
         u_rows,
         n_ok,
         u_s,
+        0,
         H,
         BLOCK_N,
         BLOCK_K,
         MP,
         SCALED,
         K_ITERS,
+        STAGES,
     )
     _store_act(g0, u0, s0, Mk, inter_ptr, offs_n, INTER)
     if MP > 1:
@@ -247,6 +194,7 @@ def _moe_down_gemv_kernel(
     BLOCK_K: tl.constexpr,
     SCALED: tl.constexpr,
     K_ITERS: tl.constexpr,
+    STAGES: tl.constexpr = 0,
 ):
     """y[slot, n] = topk_weight[slot] * (inter[slot] @ W2_e^T)[n] in fp32."""
     pid_b = tl.program_id(0)
@@ -259,7 +207,7 @@ def _moe_down_gemv_kernel(
     rows = w_ptr + (expert.to(tl.int64) * H + offs_n[:, None]) * INTER
     kb = tl.cdiv(INTER, 128)
     s_row = s_ptr + (expert.to(tl.int64) * tl.cdiv(H, 128) + pid_n * BLOCK_N // 128) * kb
-    a0, a1, a2, a3 = _gemv_rows(
+    a0, a1, a2, a3 = fp8_gemv_rows(
         a_ptr + s0.to(tl.int64) * INTER,
         a_ptr + s1.to(tl.int64) * INTER,
         a_ptr + s2.to(tl.int64) * INTER,
@@ -271,12 +219,14 @@ def _moe_down_gemv_kernel(
         rows,
         (offs_n < H)[:, None],
         s_row,
+        0,
         INTER,
         BLOCK_N,
         BLOCK_K,
         MP,
         SCALED,
         K_ITERS,
+        STAGES,
     )
     _store_y(a0, s0, Mk, topk_w_ptr, y_ptr, offs_n, H)
     if MP > 1:
@@ -465,6 +415,7 @@ def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
         BLOCK_K=bk,
         SCALED=scaled,
         K_ITERS=triton.cdiv(h, bk),
+        STAGES=cfg.get("STAGES", 0),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -484,6 +435,7 @@ def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
         BLOCK_K=bk,
         SCALED=scaled,
         K_ITERS=triton.cdiv(inter_size, bk),
+        STAGES=cfg.get("STAGES", 0),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -181,12 +181,14 @@ def gemv_accumulate(
     DECODE: tl.constexpr,
     PREFETCH: tl.constexpr = 1,
     PDL: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0,
 ):
     """Partial dot products of R weight rows (pointers w_rows / s_rows [R, 1]) with up to 4 x
     rows (row pointers x_row0..3, used while ok0..3) over K_ITERS tiles of BW words from word
     column kw_begin. Returns four [R, BW/2] fp32 accumulators (x 2^-14; rows past MP stay 0).
     Tiles are loaded PREFETCH tiles ahead of the one being decoded (into registers: no trip
-    through shared memory), so that many bytes per SM are in flight while it computes.
+    through shared memory), so that many bytes per SM are in flight while it computes; with
+    STAGES > 0 the compiler pipelines them through shared memory instead (PREFETCH unused).
     PDL: the first tiles are requested before waiting for the previous kernel in the stream
     (programmatic dependent launch): weights are constants, x is that kernel's output."""
     acc0 = tl.zeros((R, BW // 2), dtype=tl.float32)
@@ -194,6 +196,24 @@ def gemv_accumulate(
     acc2 = tl.zeros((R, BW // 2), dtype=tl.float32)
     acc3 = tl.zeros((R, BW // 2), dtype=tl.float32)
     kw0 = kw_begin
+    if STAGES > 0:
+        # Triton's software pipeline (an explicit num_stages lets it pipeline loads that feed
+        # no tl.dot): tiles stream through STAGES shared-memory buffers by cp.async, so the
+        # bytes in flight per SM no longer cost registers (register prefetch capped them)
+        if PDL:
+            gdc_wait()
+        for it in tl.range(0, K_ITERS, num_stages=STAGES):
+            kw = kw_begin + it * BW
+            q, s8 = _load_words(w_rows, s_rows, n_mask, kw, KW, BW)
+            w = _decode_words(q, R, BW, DECODE)
+            s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            acc0 += _group_dot(w, s, _load_x(x_row0, ok0, kw, K, BW), R, BW)
+            if MP > 1:
+                acc1 += _group_dot(w, s, _load_x(x_row1, ok1, kw, K, BW), R, BW)
+            if MP > 2:
+                acc2 += _group_dot(w, s, _load_x(x_row2, ok2, kw, K, BW), R, BW)
+                acc3 += _group_dot(w, s, _load_x(x_row3, ok3, kw, K, BW), R, BW)
+        return acc0, acc1, acc2, acc3
     q, s8 = _load_words(w_rows, s_rows, n_mask, kw0, KW, BW)
     q1, s81 = _load_words(w_rows, s_rows, n_mask, kw0 + BW, KW, BW)
     if PDL:
@@ -257,6 +277,7 @@ def _nvfp4_gemv_kernel(
     DECODE: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr = 0,
+    STAGES: tl.constexpr = 0,
 ):
     """out [M, N] = x [M, K] @ W^T for MP rows of x per program.
     Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, MP)). With SPLIT_K > 1 the partial sums meet in
@@ -297,6 +318,7 @@ def _nvfp4_gemv_kernel(
         DECODE,
         PREFETCH,
         PDL,
+        STAGES,
     )
     scale = tl.load(gs_ptr) * (2.0**GEMV_F16_EXP)
     o = out_ptr + row0.to(tl.int64) * stride_om + offs_n
@@ -447,6 +469,7 @@ def nvfp4_gemv(
         DECODE=decode,
         PREFETCH=config.get("PREFETCH", 1),
         PDL=int(pdl),
+        STAGES=config.get("STAGES", 0),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         launch_pdl=pdl,

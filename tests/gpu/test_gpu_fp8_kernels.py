@@ -30,6 +30,29 @@ def test_fp8_gemm(m):
     _close(f8.fp8_block_gemm(x, q, si), f8.fp8_block_gemm_ref(x, q, si))
 
 
+@pytest.mark.parametrize("stages", [0, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
+def test_fp8_gemv(m, stages):
+    """The CUDA-core GEMV (cp.async-pipelined or not), split-K on, 1-4 rows per weight pass,
+    in a CUDA graph replayed twice (the split-K workspace must come back zeroed)."""
+    torch.manual_seed(m)
+    n, k = 640, 1664
+    q, si = f8.quantize_fp8_block(torch.randn(n, k, device="cuda"))
+    si = si * torch.rand_like(si)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    cfg = dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=3, num_warps=2, num_stages=1, STAGES=stages)
+    ws = f8.SplitKWorkspace.create(8 * n, 1024, "cuda")
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    f8.fp8_block_gemm(x, q, si, out=out, workspace=ws, config=cfg, kernel="gemv")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        f8.fp8_block_gemm(x, q, si, out=out, workspace=ws, config=cfg, kernel="gemv")
+    for _ in range(2):
+        out.fill_(float("nan"))
+        g.replay()
+        _close(out, f8.fp8_block_gemm_ref(x, q, si))
+
+
 def _bank(e, n, k, fp8):
     w = torch.randn(e, n, k, device="cuda") * 0.05
     if not fp8:

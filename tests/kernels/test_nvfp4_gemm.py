@@ -301,7 +301,7 @@ def ptx(pdl):
                ws_ptr="*fp32", lock_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
                stride_om="i32")
     const = dict(MP=1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, K_ITERS=28, DECODE=1, PREFETCH=2,
-                 PDL=pdl)
+                 PDL=pdl, STAGES=0)
     sig.update({k: "constexpr" for k in const})
     names = list(sig)
     src = ASTSource(fn=g._nvfp4_gemv_kernel, signature=sig,

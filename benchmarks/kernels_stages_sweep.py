@@ -1,0 +1,351 @@
+"""Sweep of the CUDA-core GEMV kernels with and without a software-pipelined K loop (`STAGES`).
+
+Triton pipelines loads that feed no tl.dot only when the loop names its stages
+(`tl.range(..., num_stages=S)`); the GEMV kernels did not, so each program kept at most one or
+two weight tiles in flight in registers. With STAGES the tiles stream into shared memory by
+cp.async. This script times the tile configs that tiles.json's STAGES entries and the
+fp8_block_gemv table were chosen from, next to the shipped choice, on the full-size shapes:
+  dense    NVFP4 GEMV (Kimi-K2.5 shapes), M=1, with and without PDL
+  dense2   NVFP4 GEMV, M=1/2/4, the dispatcher's own choice ("auto") as the baseline
+  moe      fused NVFP4 MoE GEMV path, 8 of 384 experts, M=1/8
+  fp8      fused block-FP8 MoE GEMV path, 8 of 256 experts, M=1
+  fp8_dense  dense block-FP8 (DeepSeek-V3 shapes): the tl.dot kernel vs GEMV configs, M=1/2/4
+Graph-timed like kernels_gemm_moe.py (weights cycled past L2; % of 4.3 TB/s); every candidate's
+output is compared with the shipped kernel's or the torch reference (printed as err).
+
+  PYTHONPATH=$PWD python benchmarks/kernels_stages_sweep.py dense moe fp8 fp8_dense dense2
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import traceback
+
+import torch
+from kernels_gemm_moe import (
+    GEMM_SHAPES,
+    HBM_BYTES_PER_S,
+    graph_time_us,
+    n_copies,
+    nvfp4_bytes,
+    rand_nvfp4,
+)
+
+from moeserve.kernels import fp8_block_gemm as f8
+from moeserve.kernels import moe as moe_mod
+from moeserve.kernels import nvfp4_gemm as nv
+from moeserve.kernels import splitk
+from moeserve.kernels.configs import tile_config
+from moeserve.kernels.moe_fp8 import fused_moe_fp8
+
+FP8_SHAPES = {  # DeepSeek-V3 (N, K) on one GPU
+    "q_b_proj": (24576, 1536),
+    "o_proj": (7168, 16384),
+    "shared_gate_up": (4096, 7168),
+    "shared_down": (7168, 2048),
+    "dense_gate_up": (36864, 7168),
+    "dense_down": (7168, 18432),
+    "q_a_kv_a": (2112, 7168),
+    "kv_b_proj": (32768, 512),
+}
+records: list[dict] = []
+
+
+def log(*a: object) -> None:
+    print(*a, flush=True)
+
+
+def pct(nbytes: float, us: float) -> float:
+    return 100 * nbytes / (us * 1e-6) / HBM_BYTES_PER_S
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+
+
+def _gemv_cfg(bn: int, bk: int, w: int, st: int, sk: int, **extra: int) -> dict:
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=1, STAGES=st, **extra)
+
+
+NVFP4_M1 = [
+    (32, 256, 4, 3, 0),
+    (32, 256, 4, 4, 0),
+    (32, 256, 4, 6, 0),
+    (16, 256, 2, 4, 0),
+    (16, 256, 2, 6, 0),
+    (16, 256, 2, 8, 0),
+    (64, 256, 8, 4, 0),
+    (64, 256, 8, 6, 0),
+    (16, 512, 4, 4, 0),
+    (32, 512, 8, 4, 0),
+    (32, 256, 4, 4, 1),
+    (32, 256, 4, 4, 2),
+    (16, 256, 2, 4, 8),
+    (16, 256, 4, 4, 0),
+]  # BLOCK_N, BLOCK_K, num_warps, STAGES, SPLIT_K
+
+
+def dense() -> None:
+    for name, (n, k) in GEMM_SHAPES.items():
+        ws = rand_nvfp4(n, k, n_copies(n * k // 2 + n * k // 16), "cuda")
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        wsp = splitk.SplitKWorkspace.create(16 * n, 4096, "cuda")
+        ref = nv.nvfp4_gemm_ref(x, *ws[0])
+        cands = [(tile_config("nvfp4_gemv", 1, f"{n}x{k}"), True)]
+        cands += [(_gemv_cfg(*c, PDL=p), False) for c in NVFP4_M1 for p in (0, 1)]
+        for cfg, base in cands:
+            try:
+                got = nv.nvfp4_gemm(x, *ws[0], out=out, workspace=wsp, config=cfg, kernel="gemv")
+                err = rel_err(got, ref)
+                fns = [
+                    lambda w=w, cfg=cfg, x=x, out=out, wsp=wsp: nv.nvfp4_gemm(
+                        x, *w, out=out, workspace=wsp, config=cfg, kernel="gemv"
+                    )
+                    for w in ws
+                ]
+                t = graph_time_us(fns, 100)
+            except Exception as e:  # noqa: BLE001
+                log(f"{name} M=1 {cfg} failed {e!r}"[:300])
+                continue
+            p = pct(nvfp4_bytes(1, n, k), t["us"])
+            records.append(
+                dict(kind="dense", shape=name, M=1, cfg=cfg, us=t["us"], pct=p, err=err, base=base)
+            )
+            log(f"{name:15s} M=1 {t['us']:7.2f} us {p:5.1f}% err {err:.1e} {'BASE ' * base}{cfg}")
+        del ws
+        torch.cuda.empty_cache()
+
+
+def dense2(ms: tuple[int, ...] = (1, 2, 4)) -> None:
+    cands = [("auto", None)] + [
+        ("gemv", _gemv_cfg(*c, PDL=p))
+        for *c, p in (
+            (16, 512, 4, 4, 0, 0),
+            (16, 256, 2, 4, 8, 1),
+            (16, 256, 2, 4, 8, 0),
+            (32, 256, 4, 4, 1, 0),
+            (32, 256, 4, 3, 0, 0),
+            (16, 256, 4, 4, 0, 0),
+            (16, 256, 2, 4, 0, 0),
+            (16, 256, 2, 3, 4, 0),
+        )
+    ]
+    for name, (n, k) in GEMM_SHAPES.items():
+        ws = rand_nvfp4(n, k, n_copies(n * k // 2 + n * k // 16), "cuda")
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            wsp = splitk.SplitKWorkspace.create(16 * n, 4096, "cuda")
+            for kern, cfg in cands:
+                kw = None if kern == "auto" else kern
+                fns = [
+                    lambda w=w, cfg=cfg, kw=kw, x=x, out=out, wsp=wsp: nv.nvfp4_gemm(
+                        x, *w, out=out, workspace=wsp, config=cfg, kernel=kw
+                    )
+                    for w in ws
+                ]
+                try:
+                    t = graph_time_us(fns, 100)
+                except Exception as e:  # noqa: BLE001
+                    log(f"{name} M={m} {cfg} failed {e!r}"[:300])
+                    continue
+                p = pct(nvfp4_bytes(m, n, k), t["us"])
+                records.append(
+                    dict(kind="dense2", shape=name, M=m, kernel=kern, cfg=cfg, us=t["us"], pct=p)
+                )
+                log(f"nvfp4 {name:15s} M={m} {kern:4s} {t['us']:7.2f} us {p:5.1f}% {cfg}")
+        del ws
+        torch.cuda.empty_cache()
+
+
+def _routes(e_: int, m: int, topk: int, n: int) -> tuple[list, list]:
+    routes = [
+        torch.stack([torch.randperm(e_, device="cuda")[:topk] for _ in range(m)]).int()
+        for _ in range(n)
+    ]
+    return routes, [torch.rand(m, topk, device="cuda") for _ in range(n)]
+
+
+def _moe_sweep(kind: str, run, cands: list, m: int, routes, tws, nbytes: float) -> None:
+    ref = run(routes[0], tws[0], None)
+    for cfg in cands:
+        try:
+            err = rel_err(run(routes[0], tws[0], cfg), ref)
+            fns = [
+                lambda r=r, tw=tw, cfg=cfg: run(r, tw, cfg)
+                for r, tw in zip(routes, tws, strict=True)
+            ]
+            t = graph_time_us(fns, 40 if kind == "moe_nvfp4" else 32, reps=5)
+        except Exception as e:  # noqa: BLE001
+            log(f"{kind} M={m} {cfg} failed {e!r}"[:300])
+            continue
+        p = pct(nbytes, t["us"])
+        records.append(dict(kind=kind, M=m, cfg=cfg, us=t["us"], pct=p, err=err))
+        log(f"{kind} M={m} {t['us']:7.1f} us {p:5.1f}% err {err:.1e} {cfg or 'BASE'}")
+
+
+def moe_nvfp4(ms: tuple[int, ...] = (1, 8)) -> None:
+    e_, h, i, topk = 384, 7168, 2048, 8
+    w13 = torch.randint(0, 256, (e_, 2 * i, h // 2), dtype=torch.uint8, device="cuda")
+    s13 = (torch.rand(e_, 2 * i, h // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
+    g13 = torch.full((e_,), 1.0 / 64, device="cuda")
+    w2 = torch.randint(0, 256, (e_, h, i // 2), dtype=torch.uint8, device="cuda")
+    s2 = (torch.rand(e_, h, i // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
+    g2 = torch.full((e_,), 1.0 / 64, device="cuda")
+    per_expert = 3 * i * h // 2 + 3 * i * h // 16
+    for m in ms:
+        routes, tws = _routes(e_, m, topk, 20)
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+        nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+        mp = 1 if m == 1 else 2
+        cands = [None] + [
+            dict(
+                MP=mp,
+                BLOCK_N=bn,
+                DOWN_BLOCK_N=dbn,
+                BLOCK_K=bk,
+                num_warps=w,
+                num_stages=1,
+                STAGES=st,
+            )
+            for bn, dbn, bk, w, st in (
+                (16, 16, 256, 2, 4),
+                (16, 16, 256, 2, 6),
+                (16, 16, 256, 2, 8),
+                (16, 32, 256, 2, 4),
+                (32, 32, 256, 4, 4),
+                (32, 32, 256, 4, 6),
+                (16, 16, 512, 4, 4),
+                (32, 64, 256, 4, 4),
+                (16, 16, 256, 4, 4),
+                (8, 16, 256, 2, 4),
+            )
+        ]
+
+        def run(r, tw, cfg, x=x, out=out):
+            return moe_mod.fused_moe_nvfp4(
+                x, r, tw, w13, s13, g13, w2, s2, g2, out=out, gate_up_config=cfg, kernel="gemv"
+            ).clone()
+
+        _moe_sweep("moe_nvfp4", run, cands, m, routes, tws, nbytes)
+
+
+def moe_fp8(ms: tuple[int, ...] = (1,)) -> None:
+    e_, h, i, topk = 256, 7168, 2048, 8
+    w13 = (torch.randn(e_, 2 * i, h, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    s13 = torch.rand(e_, 2 * i // 128, h // 128, device="cuda") * 0.01 + 1e-3
+    w2 = (torch.randn(e_, h, i, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    s2 = torch.rand(e_, h // 128, i // 128, device="cuda") * 0.01 + 1e-3
+    per_expert = 3 * i * h + 4 * 3 * (i // 128) * (h // 128)
+    cands = [None] + [
+        dict(MP=1, BLOCK_N=bn, DOWN_BLOCK_N=dbn, BLOCK_K=128, num_warps=w, num_stages=1, STAGES=st)
+        for bn, dbn, w, st in (
+            (32, 64, 4, 3),
+            (32, 64, 4, 4),
+            (32, 64, 4, 6),
+            (16, 32, 4, 4),
+            (16, 32, 2, 4),
+            (64, 64, 8, 4),
+        )
+    ]
+    for m in ms:
+        routes, tws = _routes(e_, m, topk, 16)
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+        nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+
+        def run(r, tw, cfg, x=x, out=out):
+            return fused_moe_fp8(
+                x, r, tw, w13, s13, w2, s2, out=out, kernel="gemv", config=cfg
+            ).clone()
+
+        _moe_sweep("moe_fp8", run, cands, m, routes, tws, nbytes)
+
+
+def fp8_dense(ms: tuple[int, ...] = (1, 2, 4)) -> None:
+    cands = [("mma", None)] + [
+        ("gemv", _gemv_cfg(bn, 128, w, st, sk))
+        for bn, w, st, sk in (
+            (16, 2, 4, 0),
+            (16, 2, 3, 0),
+            (16, 2, 6, 0),
+            (32, 4, 4, 0),
+            (32, 2, 4, 0),
+            (64, 4, 4, 0),
+            (16, 4, 4, 0),
+            (16, 2, 4, 1),
+            (32, 4, 3, 0),
+            (64, 8, 4, 0),
+        )
+    ]
+    for name, (n, k) in FP8_SHAPES.items():
+        one = n * k + 4 * (-(-n // 128)) * (-(-k // 128))
+        ws = []
+        for _ in range(n_copies(n * k)):
+            w = (torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+            s = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 0.01 + 1e-3
+            ws.append((w, s))
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            wsp = splitk.SplitKWorkspace.create(16 * n, 4096, "cuda")
+            ref = f8.fp8_block_gemm_ref(x, *ws[0])
+            for kern, cfg in cands if m == 1 else cands[:5]:
+                try:
+                    got = f8.fp8_block_gemm(
+                        x, *ws[0], out=out, workspace=wsp, config=cfg, kernel=kern
+                    )
+                    err = rel_err(got, ref)
+                    fns = [
+                        lambda w=w, cfg=cfg, kern=kern, x=x, out=out, wsp=wsp: f8.fp8_block_gemm(
+                            x, *w, out=out, workspace=wsp, config=cfg, kernel=kern
+                        )
+                        for w in ws
+                    ]
+                    t = graph_time_us(fns, 100)
+                except Exception as e:  # noqa: BLE001
+                    log(f"fp8 {name} M={m} {cfg} failed {e!r}"[:300])
+                    continue
+                p = pct(one + 2 * m * (k + n), t["us"])
+                records.append(
+                    dict(
+                        kind="fp8_dense",
+                        shape=name,
+                        M=m,
+                        kernel=kern,
+                        cfg=cfg,
+                        us=t["us"],
+                        pct=p,
+                        err=err,
+                    )
+                )
+                log(
+                    f"fp8 {name:15s} M={m} {kern:4s} {t['us']:7.2f} us {p:5.1f}% "
+                    f"err {err:.1e} {cfg}"
+                )
+        del ws
+        torch.cuda.empty_cache()
+
+
+PARTS = {"dense": dense, "dense2": dense2, "moe": moe_nvfp4, "fp8": moe_fp8, "fp8_dense": fp8_dense}
+
+
+def main() -> int:
+    out = os.environ.get("OUT", "benchmarks/results")
+    for part in sys.argv[1:] or list(PARTS):
+        try:
+            PARTS[part]()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        with open(f"{out}/kernels_stages_sweep.json", "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
