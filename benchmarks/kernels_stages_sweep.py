@@ -10,6 +10,9 @@ fp8_block_gemv table were chosen from, next to the shipped choice, on the full-s
   moe      fused NVFP4 MoE GEMV path, 8 of 384 experts, M=1/8
   fp8      fused block-FP8 MoE GEMV path, 8 of 256 experts, M=1
   fp8_dense  dense block-FP8 (DeepSeek-V3 shapes): the tl.dot kernel vs GEMV configs, M=1/2/4
+  fp8_small  more GEMV configs for the block-FP8 shapes under 16 MB, M=1
+  fp8_moe_rows  block-FP8 MoE GEMV blocks of 2/4 slots, M=4/8/16
+  w16      the same MoE GEMV on bf16 weights, 8 of 64 DeepSeek-size experts, M=1
 Graph-timed like kernels_gemm_moe.py (weights cycled past L2; % of 4.3 TB/s); every candidate's
 output is compared with the shipped kernel's or the torch reference (printed as err).
 
@@ -267,6 +270,50 @@ def moe_fp8(ms: tuple[int, ...] = (1,)) -> None:
         _moe_sweep("moe_fp8", run, cands, m, routes, tws, nbytes)
 
 
+def _fp8_dense_shape(name: str, n: int, k: int, ms: tuple[int, ...], cands: list) -> None:
+    one = n * k + 4 * (-(-n // 128)) * (-(-k // 128))
+    ws = []
+    for _ in range(n_copies(n * k)):
+        w = (torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+        s = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 0.01 + 1e-3
+        ws.append((w, s))
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        wsp = splitk.SplitKWorkspace.create(16 * n, 4096, "cuda")
+        ref = f8.fp8_block_gemm_ref(x, *ws[0])
+        for kern, cfg in cands if m == 1 else cands[:5]:
+            try:
+                got = f8.fp8_block_gemm(x, *ws[0], out=out, workspace=wsp, config=cfg, kernel=kern)
+                err = rel_err(got, ref)
+                fns = [
+                    lambda w=w, cfg=cfg, kern=kern, x=x, out=out, wsp=wsp: f8.fp8_block_gemm(
+                        x, *w, out=out, workspace=wsp, config=cfg, kernel=kern
+                    )
+                    for w in ws
+                ]
+                t = graph_time_us(fns, 100)
+            except Exception as e:  # noqa: BLE001
+                log(f"fp8 {name} M={m} {cfg} failed {e!r}"[:300])
+                continue
+            p = pct(one + 2 * m * (k + n), t["us"])
+            records.append(
+                dict(
+                    kind="fp8_dense",
+                    shape=name,
+                    M=m,
+                    kernel=kern,
+                    cfg=cfg,
+                    us=t["us"],
+                    pct=p,
+                    err=err,
+                )
+            )
+            log(f"fp8 {name:15s} M={m} {kern:4s} {t['us']:7.2f} us {p:5.1f}% err {err:.1e} {cfg}")
+    del ws
+    torch.cuda.empty_cache()
+
+
 def fp8_dense(ms: tuple[int, ...] = (1, 2, 4)) -> None:
     cands = [("mma", None)] + [
         ("gemv", _gemv_cfg(bn, 128, w, st, sk))
@@ -284,55 +331,108 @@ def fp8_dense(ms: tuple[int, ...] = (1, 2, 4)) -> None:
         )
     ]
     for name, (n, k) in FP8_SHAPES.items():
-        one = n * k + 4 * (-(-n // 128)) * (-(-k // 128))
-        ws = []
-        for _ in range(n_copies(n * k)):
-            w = (torch.randn(n, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
-            s = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 0.01 + 1e-3
-            ws.append((w, s))
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            wsp = splitk.SplitKWorkspace.create(16 * n, 4096, "cuda")
-            ref = f8.fp8_block_gemm_ref(x, *ws[0])
-            for kern, cfg in cands if m == 1 else cands[:5]:
-                try:
-                    got = f8.fp8_block_gemm(
-                        x, *ws[0], out=out, workspace=wsp, config=cfg, kernel=kern
-                    )
-                    err = rel_err(got, ref)
-                    fns = [
-                        lambda w=w, cfg=cfg, kern=kern, x=x, out=out, wsp=wsp: f8.fp8_block_gemm(
-                            x, *w, out=out, workspace=wsp, config=cfg, kernel=kern
-                        )
-                        for w in ws
-                    ]
-                    t = graph_time_us(fns, 100)
-                except Exception as e:  # noqa: BLE001
-                    log(f"fp8 {name} M={m} {cfg} failed {e!r}"[:300])
-                    continue
-                p = pct(one + 2 * m * (k + n), t["us"])
-                records.append(
-                    dict(
-                        kind="fp8_dense",
-                        shape=name,
-                        M=m,
-                        kernel=kern,
-                        cfg=cfg,
-                        us=t["us"],
-                        pct=p,
-                        err=err,
-                    )
-                )
-                log(
-                    f"fp8 {name:15s} M={m} {kern:4s} {t['us']:7.2f} us {p:5.1f}% "
-                    f"err {err:.1e} {cfg}"
-                )
-        del ws
-        torch.cuda.empty_cache()
+        _fp8_dense_shape(name, n, k, ms, cands)
 
 
-PARTS = {"dense": dense, "dense2": dense2, "moe": moe_nvfp4, "fp8": moe_fp8, "fp8_dense": fp8_dense}
+def fp8_small() -> None:
+    """Round 2 for the block-FP8 shapes under 16 MB, where ramp and tail dominate (M=1)."""
+    small = {k: FP8_SHAPES[k] for k in ("shared_gate_up", "shared_down", "q_a_kv_a", "kv_b_proj")}
+    cands = [
+        ("gemv", _gemv_cfg(bn, 128, w, st, sk))
+        for bn, w, st, sk in (
+            (32, 2, 4, 0),
+            (16, 2, 4, 1),
+            (32, 2, 4, 1),
+            (16, 2, 2, 0),
+            (32, 2, 2, 0),
+            (16, 2, 3, 2),
+            (32, 2, 3, 2),
+            (16, 1, 4, 0),
+            (32, 1, 4, 0),
+            (16, 1, 3, 1),
+            (8, 1, 4, 0),
+            (64, 2, 4, 0),
+        )
+    ]
+    for name, (n, k) in small.items():
+        _fp8_dense_shape(name, n, k, (1,), cands)
+
+
+def moe_fp8_rows(ms: tuple[int, ...] = (4, 8, 16)) -> None:
+    """The MP=2/4 GEMV blocks of the block-FP8 MoE with and without STAGES."""
+    e_, h, i, topk = 256, 7168, 2048, 8
+    w13 = (torch.randn(e_, 2 * i, h, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    s13 = torch.rand(e_, 2 * i // 128, h // 128, device="cuda") * 0.01 + 1e-3
+    w2 = (torch.randn(e_, h, i, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    s2 = torch.rand(e_, h // 128, i // 128, device="cuda") * 0.01 + 1e-3
+    per_expert = 3 * i * h + 4 * 3 * (i // 128) * (h // 128)
+    for m in ms:
+        routes, tws = _routes(e_, m, topk, 16)
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+        nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+        cands = [None] + [
+            dict(
+                MP=mp,
+                BLOCK_N=bn,
+                DOWN_BLOCK_N=dbn,
+                BLOCK_K=128,
+                num_warps=w,
+                num_stages=1,
+                STAGES=st,
+            )
+            for mp in (2, 4)
+            for bn, dbn, w, st in ((16, 32, 2, 4), (32, 64, 4, 4), (32, 32, 2, 3), (64, 64, 4, 4))
+        ]
+
+        def run(r, tw, cfg, x=x, out=out):
+            return fused_moe_fp8(
+                x, r, tw, w13, s13, w2, s2, out=out, kernel="gemv", config=cfg
+            ).clone()
+
+        _moe_sweep("moe_fp8", run, cands, m, routes, tws, nbytes)
+
+
+def moe_w16(ms: tuple[int, ...] = (1,)) -> None:
+    """The bf16-weight MoE GEMV (same kernel, 2 B/weight), 8 of 64 DeepSeek-size experts."""
+    e_, h, i, topk = 64, 7168, 2048, 8
+    w13 = torch.randn(e_, 2 * i, h, device="cuda", dtype=torch.bfloat16) * 0.05
+    w2 = torch.randn(e_, h, i, device="cuda", dtype=torch.bfloat16) * 0.05
+    per_expert = 3 * i * h * 2
+    cands = [None] + [
+        dict(MP=1, BLOCK_N=bn, DOWN_BLOCK_N=dbn, BLOCK_K=bk, num_warps=w, num_stages=1, STAGES=st)
+        for bn, dbn, bk, w, st in (
+            (16, 32, 128, 2, 4),
+            (32, 64, 128, 4, 4),
+            (16, 32, 64, 2, 4),
+            (32, 32, 128, 2, 3),
+            (16, 16, 128, 2, 3),
+        )
+    ]
+    for m in ms:
+        routes, tws = _routes(e_, m, topk, 16)
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+        nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+
+        def run(r, tw, cfg, x=x, out=out):
+            return fused_moe_fp8(
+                x, r, tw, w13, None, w2, None, out=out, kernel="gemv", config=cfg
+            ).clone()
+
+        _moe_sweep("moe_w16", run, cands, m, routes, tws, nbytes)
+
+
+PARTS = {
+    "dense": dense,
+    "dense2": dense2,
+    "moe": moe_nvfp4,
+    "fp8": moe_fp8,
+    "fp8_dense": fp8_dense,
+    "fp8_small": fp8_small,
+    "fp8_moe_rows": moe_fp8_rows,
+    "w16": moe_w16,
+}
 
 
 def main() -> int:
