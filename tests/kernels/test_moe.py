@@ -90,6 +90,7 @@ def _gemv(mp):
         (5, 3, (None, None), DECODE_ARITH, "gemv"),  # tiles.json's decode config
         (9, 4, (_gemv(2), None), DECODE_BITS, "gemv"),
         (40, 2, (_gemv(4), None), DECODE_BITS, "gemv"),  # experts with many blocks
+        (3, 3, (dict(_gemv(1), STAGES=3), None), DECODE_BITS, "gemv"),  # pipelined K loop
     ],
 )
 def test_fused_matches_reference(weights, m, k, cfgs, decode, kernel):

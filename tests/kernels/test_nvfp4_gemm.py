@@ -192,6 +192,8 @@ GEMV = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=0, num_warps=4, num_stages=1)
         (3, 70, 160, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),  # ragged N, K, last split
         (4, 33, 528, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=3)),  # 33 groups of 16
         (7, 24, 256, dict(GEMV, SPLIT_K=1)),  # 4 rows per program, second block half empty
+        (1, 48, 800, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, STAGES=3)),  # pipelined loop
+        (4, 33, 528, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, STAGES=2)),
     ],
 )
 @pytest.mark.parametrize("decode", [nv.DECODE_ARITH, nv.DECODE_BITS])
