@@ -13,6 +13,7 @@ fp8_block_gemv table were chosen from, next to the shipped choice, on the full-s
   fp8_small  more GEMV configs for the block-FP8 shapes under 16 MB, M=1
   fp8_moe_rows  block-FP8 MoE GEMV blocks of 2/4 slots, M=4/8/16
   w16      the same MoE GEMV on bf16 weights, 8 of 64 DeepSeek-size experts, M=1
+  f16      NVFP4 GEMV (M=1/2/4) and MoE GEMV (M=1/8) with f16x2 products (F16=1)
 Graph-timed like kernels_gemm_moe.py (weights cycled past L2; % of 4.3 TB/s); every candidate's
 output is compared with the shipped kernel's or the torch reference (printed as err).
 
@@ -423,7 +424,85 @@ def moe_w16(ms: tuple[int, ...] = (1,)) -> None:
         _moe_sweep("moe_w16", run, cands, m, routes, tws, nbytes)
 
 
+def f16() -> None:
+    """NVFP4 GEMV and MoE GEMV with f16x2 products (F16=1) next to the same tiles without."""
+    for name, (n, k) in GEMM_SHAPES.items():
+        ws = rand_nvfp4(n, k, n_copies(n * k // 2 + n * k // 16), "cuda")
+        for m in (1, 2, 4):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            wsp = splitk.SplitKWorkspace.create(16 * n, 4096, "cuda")
+            ref = nv.nvfp4_gemm_ref(x, *ws[0])
+            base = tile_config("nvfp4_gemv", m, f"{n}x{k}")
+            cands = [base, dict(base, F16=1)]
+            cands += [
+                dict(_gemv_cfg(*c), F16=1)
+                for c in (
+                    (32, 256, 4, 3, 0),
+                    (16, 256, 2, 4, 0),
+                    (32, 512, 4, 3, 0),
+                    (64, 256, 4, 3, 0),
+                    (32, 256, 4, 0, 0),
+                    (16, 512, 4, 3, 0),
+                )
+            ]
+            for cfg in cands:
+                try:
+                    got = nv.nvfp4_gemm(
+                        x, *ws[0], out=out, workspace=wsp, config=cfg, kernel="gemv"
+                    )
+                    err = rel_err(got, ref)
+                    fns = [
+                        lambda w=w, cfg=cfg, x=x, out=out, wsp=wsp: nv.nvfp4_gemm(
+                            x, *w, out=out, workspace=wsp, config=cfg, kernel="gemv"
+                        )
+                        for w in ws
+                    ]
+                    t = graph_time_us(fns, 100)
+                except Exception as e:  # noqa: BLE001
+                    log(f"f16 {name} M={m} {cfg} failed {e!r}"[:300])
+                    continue
+                p = pct(nvfp4_bytes(m, n, k), t["us"])
+                records.append(
+                    dict(kind="f16", shape=name, M=m, cfg=cfg, us=t["us"], pct=p, err=err)
+                )
+                log(f"f16 {name:15s} M={m} {t['us']:7.2f} us {p:5.1f}% err {err:.1e} {cfg}")
+        del ws
+        torch.cuda.empty_cache()
+    moe_nvfp4_f16()
+
+
+def moe_nvfp4_f16(ms: tuple[int, ...] = (1, 8)) -> None:
+    e_, h, i, topk = 384, 7168, 2048, 8
+    w13 = torch.randint(0, 256, (e_, 2 * i, h // 2), dtype=torch.uint8, device="cuda")
+    s13 = (torch.rand(e_, 2 * i, h // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
+    g13 = torch.full((e_,), 1.0 / 64, device="cuda")
+    w2 = torch.randint(0, 256, (e_, h, i // 2), dtype=torch.uint8, device="cuda")
+    s2 = (torch.rand(e_, h, i // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
+    g2 = torch.full((e_,), 1.0 / 64, device="cuda")
+    per_expert = 3 * i * h // 2 + 3 * i * h // 16
+    key = f"{e_}:{2 * i}x{h}"
+    for m in ms:
+        routes, tws = _routes(e_, m, topk, 20)
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+        nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+        base = tile_config("moe_gemv", m, key)
+        cands = [None, dict(base, F16=1)] + [
+            dict(base, F16=1, STAGES=st, BLOCK_N=bn, DOWN_BLOCK_N=dbn, num_warps=w)
+            for bn, dbn, w, st in ((16, 16, 2, 3), (16, 32, 2, 4), (32, 32, 4, 3), (16, 16, 4, 0))
+        ]
+
+        def run(r, tw, cfg, x=x, out=out):
+            return moe_mod.fused_moe_nvfp4(
+                x, r, tw, w13, s13, g13, w2, s2, g2, out=out, gate_up_config=cfg, kernel="gemv"
+            ).clone()
+
+        _moe_sweep("moe_nvfp4_f16", run, cands, m, routes, tws, nbytes)
+
+
 PARTS = {
+    "f16": f16,
     "dense": dense,
     "dense2": dense2,
     "moe": moe_nvfp4,

@@ -317,6 +317,7 @@ def _moe_gate_up_gemv_kernel(
     DECODE: tl.constexpr,
     PREFETCH: tl.constexpr,
     STAGES: tl.constexpr = 0,
+    F16: tl.constexpr = 0,
 ):
     """CUDA-core decode path of _moe_gate_up_kernel: block pid(0) (MP slots of one expert),
     gate rows and up rows of column tile pid(1) decoded as one [2*BLOCK_N] row tile, so every
@@ -359,6 +360,7 @@ def _moe_gate_up_gemv_kernel(
         PREFETCH,
         0,
         STAGES,
+        F16,
     )
     gs = tl.load(gs_ptr + expert) * (2.0**GEMV_F16_EXP)
     on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -398,6 +400,7 @@ def _moe_down_gemv_kernel(
     DECODE: tl.constexpr,
     PREFETCH: tl.constexpr,
     STAGES: tl.constexpr = 0,
+    F16: tl.constexpr = 0,
 ):
     """CUDA-core decode path of _moe_down_kernel (same outputs), grid like the gate_up GEMV."""
     pid_b = tl.program_id(0)
@@ -433,6 +436,7 @@ def _moe_down_gemv_kernel(
         PREFETCH,
         0,
         STAGES,
+        F16,
     )
     gs = tl.load(gs_ptr + expert) * (2.0**GEMV_F16_EXP)
     _store_down(acc0, s0, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
@@ -768,6 +772,7 @@ def _moe_gemv(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg,
         DECODE=dec,
         PREFETCH=cfg.get("PREFETCH", 1),
         STAGES=cfg.get("STAGES", 0),
+        F16=cfg.get("F16", 0),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -791,6 +796,7 @@ def _moe_gemv(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg,
         DECODE=dec,
         PREFETCH=cfg.get("PREFETCH", 1),
         STAGES=cfg.get("STAGES", 0),
+        F16=cfg.get("F16", 0),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -118,6 +118,129 @@ def _decode_nibbles(q, DECODE: tl.constexpr):
     return v0, v1, v2, v3, v4, v5, v6, v7
 
 
+# f16x2 products (F16 option): $0 = fp32 sum over one 16-element block of the products of the
+# codes of words $1, $2 (value * 2^-14) with x pairs $3..$10, f16x2 words (x[8w + j],
+# x[8w + j + 4]) for word w, j = 0..3, of x pre-scaled by a power of two. One fma.rn.f16x2 per
+# two weights replaces two f16 -> f32 conversions and two fp32 FMAs. Decode, 12 instructions
+# per word: e = q & 0x07070707 | (q << 3) & ~that keeps the values of nibbles 0, 2, 4, 6 and
+# puts each one's sign 3 bits above its value bits; then (e << (9 - 4j)) & 0x8E008E00 is pair
+# (j, j + 4) as f16x2 for j = 0, 2, likewise o (mask 0x70707070) for j = 1; j = 3 takes the
+# signs from q itself (bit 31 would shift out).
+
+
+def _f16x2_dot_asm() -> str:
+    lines = [".reg .b32 t, e, o, r, a;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;"]
+    first = True
+    for w, q in ((0, "$1"), (1, "$2")):
+        lines += [
+            f"shl.b32 t, {q}, 3;",
+            f"lop3.b32 e, {q}, t, 0x07070707, 0xE4;",  # (a & c) | (b & ~c)
+            f"lop3.b32 o, {q}, t, 0x70707070, 0xE4;",
+        ]
+        for j in range(4):
+            if j == 3:
+                lines += [
+                    f"shr.u32 t, {q}, 3;",
+                    "and.b32 t, t, 0x0E000E00;",
+                    f"lop3.b32 r, {q}, 0x80008000, t, 0xEA;",  # (a & b) | c
+                ]
+            else:
+                src = "e" if j % 2 == 0 else "o"
+                lines += [f"shl.b32 r, {src}, {9 - 4 * j};", "and.b32 r, r, 0x8E008E00;"]
+            x = f"${3 + 4 * w + j}"
+            lines.append(f"mul.rn.f16x2 a, r, {x};" if first else f"fma.rn.f16x2 a, r, {x}, a;")
+            first = False
+    lines += ["mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;"]
+    lines.append("add.f32 $0, flo, fhi;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_E2M1_F16X2_DOT_ASM = tl.constexpr(_f16x2_dot_asm())
+# x scaling for the f16 products: the row's max |x| over the program's K slice is brought to
+# [2^14, 2^15), so that x fits f16 and products (<= 6 * 2^-14 * 2^15) and their 16-term sums
+# stay far below its 65504, while none but negligible terms fall into f16 subnormals.
+F16_X_EXP = tl.constexpr(141)  # 2^(F16_X_EXP - E) for max|x| with biased fp32 exponent E
+F16_X_MIN_EXP = tl.constexpr(32)  # rows with max|x| < 2^-95 (zero) keep a finite scale
+
+
+@triton.jit
+def _x_scale(x_row, ok, kw_begin, K, BW: tl.constexpr, K_ITERS: tl.constexpr):
+    """(scale, 1/scale), powers of two, for x's values in this program's K slice (F16)."""
+    m = tl.zeros((8 * BW,), dtype=tl.float32)
+    for it in range(K_ITERS):
+        m = tl.maximum(m, tl.abs(_load_x(x_row, ok, kw_begin + it * BW, K, BW)))
+    e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.maximum(e, F16_X_MIN_EXP)
+    scale = ((-e + (F16_X_EXP + 127)) << 23).to(tl.float32, bitcast=True)
+    inv = ((e + (127 - F16_X_EXP)) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
+
+
+@triton.jit
+def _split4(t):
+    """[G, 4] -> its four columns, each [G]."""
+    a, b = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))  # column 2*i + 0 / 2*i + 1
+    c0, c2 = tl.split(a)
+    c1, c3 = tl.split(b)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _nibble(q, j: tl.constexpr, DECODE: tl.constexpr):
+    if DECODE == 2:
+        return _nibble_f32(q, j)
+    return _nibble_arith(q, j)
+
+
+@triton.jit
+def _pair_dot(q, p, j: tl.constexpr, DECODE: tl.constexpr):
+    """Plain-Triton model of one fma.rn.f16x2 of the asm (fp32 math): nibbles j and j + 4 of
+    words q times the f16 halves of pair words p."""
+    lo = (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = ((p >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _nibble(q, j, DECODE) * lo + _nibble(q, j + 4, DECODE) * hi
+
+
+@triton.jit
+def _tile_dot_f16(q0, q1, s, x_row, ok, kw, K, xs, xinv, BW: tl.constexpr, DECODE: tl.constexpr):
+    """F16 path of one tile: words q0 / q1 [R, BW/2] (first / second word of each 16-element
+    block), block scales s [R, BW/2] -> sum(w * x) * s per block, [R, BW/2] fp32 (x 2^-14)."""
+    xh = (_load_x(x_row, ok, kw, K, BW) * xs).to(tl.float16)
+    xi = xh.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    # element 16b + 8w + 4h + j of the tile -> pair word (j, j + 4) of word w of block b
+    xi = tl.permute(tl.reshape(xi, (BW // 2, 2, 2, 4)), (0, 1, 3, 2))
+    lo, hi = tl.split(xi)
+    w0, w1 = tl.split(tl.permute(lo | (hi << 16), (0, 2, 1)))
+    a0, a1, a2, a3 = _split4(w0)
+    b0, b1, b2, b3 = _split4(w1)
+    if DECODE == 1:
+        g = tl.inline_asm_elementwise(
+            _E2M1_F16X2_DOT_ASM,
+            "=f,r,r,r,r,r,r,r,r,r,r",
+            [
+                q0,
+                q1,
+                a0[None, :],
+                a1[None, :],
+                a2[None, :],
+                a3[None, :],
+                b0[None, :],
+                b1[None, :],
+                b2[None, :],
+                b3[None, :],
+            ],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        g = _pair_dot(q0, a0[None, :], 0, DECODE) + _pair_dot(q0, a1[None, :], 1, DECODE)
+        g += _pair_dot(q0, a2[None, :], 2, DECODE) + _pair_dot(q0, a3[None, :], 3, DECODE)
+        g += _pair_dot(q1, b0[None, :], 0, DECODE) + _pair_dot(q1, b1[None, :], 1, DECODE)
+        g += _pair_dot(q1, b2[None, :], 2, DECODE) + _pair_dot(q1, b3[None, :], 3, DECODE)
+    return g * (s * xinv)
+
+
 @triton.jit
 def _decode_words(q, R: tl.constexpr, BW: tl.constexpr, DECODE: tl.constexpr):
     """int32 words [R, BW] -> fp32 [R, 8*BW] (value * 2^-14), column 8*w + j = nibble j of word w.
@@ -159,6 +282,66 @@ def _load_x(x_row, row_ok, kw0, K, BW: tl.constexpr):
 
 
 @triton.jit
+def _tile_update(
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    q,
+    s8,
+    x_rows,
+    oks,
+    xss,
+    xinvs,
+    kw,
+    K,
+    R: tl.constexpr,
+    BW: tl.constexpr,
+    MP: tl.constexpr,
+    DECODE: tl.constexpr,
+    F16: tl.constexpr,
+):
+    """Add one tile's block partials to the MP accumulators (fp32 or f16x2 products)."""
+    x_row0, x_row1, x_row2, x_row3 = x_rows
+    ok0, ok1, ok2, ok3 = oks
+    s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if F16:
+        xs0, xs1, xs2, xs3 = xss
+        xi0, xi1, xi2, xi3 = xinvs
+        q0, q1 = tl.split(tl.reshape(q, (R, BW // 2, 2)))
+        acc0 += _tile_dot_f16(q0, q1, s, x_row0, ok0, kw, K, xs0, xi0, BW, DECODE)
+        if MP > 1:
+            acc1 += _tile_dot_f16(q0, q1, s, x_row1, ok1, kw, K, xs1, xi1, BW, DECODE)
+        if MP > 2:
+            acc2 += _tile_dot_f16(q0, q1, s, x_row2, ok2, kw, K, xs2, xi2, BW, DECODE)
+            acc3 += _tile_dot_f16(q0, q1, s, x_row3, ok3, kw, K, xs3, xi3, BW, DECODE)
+    else:
+        w = _decode_words(q, R, BW, DECODE)
+        acc0 += _group_dot(w, s, _load_x(x_row0, ok0, kw, K, BW), R, BW)
+        if MP > 1:
+            acc1 += _group_dot(w, s, _load_x(x_row1, ok1, kw, K, BW), R, BW)
+        if MP > 2:
+            acc2 += _group_dot(w, s, _load_x(x_row2, ok2, kw, K, BW), R, BW)
+            acc3 += _group_dot(w, s, _load_x(x_row3, ok3, kw, K, BW), R, BW)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _x_scales(x_rows, oks, kw_begin, K, BW: tl.constexpr, MP: tl.constexpr, K_ITERS):
+    """Per-row (scale, 1/scale) tuples for the F16 path (1.0 for rows past MP)."""
+    x_row0, x_row1, x_row2, x_row3 = x_rows
+    ok0, ok1, ok2, ok3 = oks
+    xs0, xi0 = _x_scale(x_row0, ok0, kw_begin, K, BW, K_ITERS)
+    xs1, xi1, xs2, xi2, xs3, xi3 = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
+    if MP > 1:
+        xs1, xi1 = _x_scale(x_row1, ok1, kw_begin, K, BW, K_ITERS)
+    if MP > 2:
+        xs2, xi2 = _x_scale(x_row2, ok2, kw_begin, K, BW, K_ITERS)
+        xs3, xi3 = _x_scale(x_row3, ok3, kw_begin, K, BW, K_ITERS)
+    return (xs0, xs1, xs2, xs3), (xi0, xi1, xi2, xi3)
+
+
+@triton.jit
 def gemv_accumulate(
     x_row0,
     x_row1,
@@ -182,6 +365,7 @@ def gemv_accumulate(
     PREFETCH: tl.constexpr = 1,
     PDL: tl.constexpr = 0,
     STAGES: tl.constexpr = 0,
+    F16: tl.constexpr = 0,
 ):
     """Partial dot products of R weight rows (pointers w_rows / s_rows [R, 1]) with up to 4 x
     rows (row pointers x_row0..3, used while ok0..3) over K_ITERS tiles of BW words from word
@@ -190,45 +374,77 @@ def gemv_accumulate(
     through shared memory), so that many bytes per SM are in flight while it computes; with
     STAGES > 0 the compiler pipelines them through shared memory instead (PREFETCH unused).
     PDL: the first tiles are requested before waiting for the previous kernel in the stream
-    (programmatic dependent launch): weights are constants, x is that kernel's output."""
+    (programmatic dependent launch): weights are constants, x is that kernel's output.
+    F16: products in f16x2 (one fma.rn.f16x2 per two weights) on x scaled per row by a power
+    of two, 16-term block sums converted to fp32; the accumulators are the same."""
     acc0 = tl.zeros((R, BW // 2), dtype=tl.float32)
     acc1 = tl.zeros((R, BW // 2), dtype=tl.float32)
     acc2 = tl.zeros((R, BW // 2), dtype=tl.float32)
     acc3 = tl.zeros((R, BW // 2), dtype=tl.float32)
-    kw0 = kw_begin
+    x_rows = (x_row0, x_row1, x_row2, x_row3)
+    oks = (ok0, ok1, ok2, ok3)
+    xss = (1.0, 1.0, 1.0, 1.0)
+    xinvs = (1.0, 1.0, 1.0, 1.0)
     if STAGES > 0:
         # Triton's software pipeline (an explicit num_stages lets it pipeline loads that feed
         # no tl.dot): tiles stream through STAGES shared-memory buffers by cp.async, so the
         # bytes in flight per SM no longer cost registers (register prefetch capped them)
         if PDL:
             gdc_wait()
+        if F16:
+            xss, xinvs = _x_scales(x_rows, oks, kw_begin, K, BW, MP, K_ITERS)
         for it in tl.range(0, K_ITERS, num_stages=STAGES):
             kw = kw_begin + it * BW
             q, s8 = _load_words(w_rows, s_rows, n_mask, kw, KW, BW)
-            w = _decode_words(q, R, BW, DECODE)
-            s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            acc0 += _group_dot(w, s, _load_x(x_row0, ok0, kw, K, BW), R, BW)
-            if MP > 1:
-                acc1 += _group_dot(w, s, _load_x(x_row1, ok1, kw, K, BW), R, BW)
-            if MP > 2:
-                acc2 += _group_dot(w, s, _load_x(x_row2, ok2, kw, K, BW), R, BW)
-                acc3 += _group_dot(w, s, _load_x(x_row3, ok3, kw, K, BW), R, BW)
+            acc0, acc1, acc2, acc3 = _tile_update(
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                q,
+                s8,
+                x_rows,
+                oks,
+                xss,
+                xinvs,
+                kw,
+                K,
+                R,
+                BW,
+                MP,
+                DECODE,
+                F16,
+            )
         return acc0, acc1, acc2, acc3
+    kw0 = kw_begin
     q, s8 = _load_words(w_rows, s_rows, n_mask, kw0, KW, BW)
     q1, s81 = _load_words(w_rows, s_rows, n_mask, kw0 + BW, KW, BW)
     if PDL:
         gdc_wait()  # the previous kernel's writes (x, out, workspace) are visible after this
+    if F16:
+        xss, xinvs = _x_scales(x_rows, oks, kw_begin, K, BW, MP, K_ITERS)
     for _ in range(K_ITERS):
         if PREFETCH == 2:
             q2, s82 = _load_words(w_rows, s_rows, n_mask, kw0 + 2 * BW, KW, BW)
-        w = _decode_words(q, R, BW, DECODE)
-        s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        acc0 += _group_dot(w, s, _load_x(x_row0, ok0, kw0, K, BW), R, BW)
-        if MP > 1:
-            acc1 += _group_dot(w, s, _load_x(x_row1, ok1, kw0, K, BW), R, BW)
-        if MP > 2:
-            acc2 += _group_dot(w, s, _load_x(x_row2, ok2, kw0, K, BW), R, BW)
-            acc3 += _group_dot(w, s, _load_x(x_row3, ok3, kw0, K, BW), R, BW)
+        acc0, acc1, acc2, acc3 = _tile_update(
+            acc0,
+            acc1,
+            acc2,
+            acc3,
+            q,
+            s8,
+            x_rows,
+            oks,
+            xss,
+            xinvs,
+            kw0,
+            K,
+            R,
+            BW,
+            MP,
+            DECODE,
+            F16,
+        )
         if PREFETCH == 2:
             q, s8, q1, s81 = q1, s81, q2, s82
         else:
@@ -278,6 +494,7 @@ def _nvfp4_gemv_kernel(
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr = 0,
     STAGES: tl.constexpr = 0,
+    F16: tl.constexpr = 0,
 ):
     """out [M, N] = x [M, K] @ W^T for MP rows of x per program.
     Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, MP)). With SPLIT_K > 1 the partial sums meet in
@@ -319,6 +536,7 @@ def _nvfp4_gemv_kernel(
         PREFETCH,
         PDL,
         STAGES,
+        F16,
     )
     scale = tl.load(gs_ptr) * (2.0**GEMV_F16_EXP)
     o = out_ptr + row0.to(tl.int64) * stride_om + offs_n
@@ -470,6 +688,7 @@ def nvfp4_gemv(
         PREFETCH=config.get("PREFETCH", 1),
         PDL=int(pdl),
         STAGES=config.get("STAGES", 0),
+        F16=config.get("F16", 0),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         launch_pdl=pdl,

@@ -84,3 +84,42 @@ def test_gemv_with_programmatic_dependent_launch_in_a_graph(split_k):
         ref = nv.nvfp4_gemm_ref(x, *w)
         _close(got, ref)
         x = got
+
+
+@pytest.mark.parametrize("stages", [0, 3])
+@pytest.mark.parametrize("x_scale", [1e-3, 1.0, 3e3])
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
+def test_gemv_f16_products(m, x_scale, stages):
+    """F16: the f16x2 inline-PTX products on x scaled per row by a power of two, against the
+    fp32 reference, for activations from 1e-3 to 3e3 (f16 alone would lose the small ones and
+    overflow the large ones' block sums); one row has a single huge outlier."""
+    torch.manual_seed(m)
+    n, k = 384, 1536
+    packed, scale, gs = fmt.quantize_nvfp4(torch.randn(n, k, device="cuda") * 0.02)
+    x = torch.randn(m, k, device="cuda") * x_scale
+    x[0, 5] = 3e4 * x_scale  # the scale follows the row's max
+    x = x.to(torch.bfloat16)
+    cfg = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=2, num_warps=4, num_stages=1, STAGES=stages)
+    y = nv.nvfp4_gemm(x, packed, scale, gs, config=dict(cfg, F16=1), kernel="gemv")
+    _close(y, nv.nvfp4_gemm_ref(x, packed, scale, gs))
+    rest = nv.nvfp4_gemm_ref(x[1:], packed, scale, gs) if m > 1 else None
+    if rest is not None:  # rows without the outlier keep their own precision
+        _close(y[1:], rest)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_moe_gemv_f16_products(m):
+    torch.manual_seed(200 + m)
+    e, h, i, topk = 12, 512, 256, 4
+    parts13 = [fmt.quantize_nvfp4(torch.randn(2 * i, h, device="cuda") * 0.05) for _ in range(e)]
+    parts2 = [fmt.quantize_nvfp4(torch.randn(h, i, device="cuda") * 0.05) for _ in range(e)]
+    w13, s13, g13 = (torch.stack([p[j] for p in parts13]) for j in range(3))
+    w2, s2, g2 = (torch.stack([p[j] for p in parts2]) for j in range(3))
+    ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(m)]).int()
+    tw = torch.rand(m, topk, device="cuda")
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    cfg = dict(MP=1 if m == 1 else 2, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=1)
+    y = moe.fused_moe_nvfp4(
+        x, ids, tw, w13, s13, g13, w2, s2, g2, kernel="gemv", gate_up_config=dict(cfg, F16=1)
+    )
+    _close(y, moe.fused_moe_nvfp4_ref(x, ids, tw, w13, s13, g13, w2, s2, g2))
