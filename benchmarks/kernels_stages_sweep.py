@@ -501,7 +501,52 @@ def moe_nvfp4_f16(ms: tuple[int, ...] = (1, 8)) -> None:
         _moe_sweep("moe_nvfp4_f16", run, cands, m, routes, tws, nbytes)
 
 
+def moe_rows_f16(ms: tuple[int, ...] = (4, 8, 16, 32)) -> None:
+    """NVFP4 MoE at a few tokens: the dispatcher's choice (the mma.sync GEMV from 5 tokens)
+    against the CUDA-core GEMV with F16 products (blocks of 1 and 2 slots)."""
+    e_, h, i, topk = 384, 7168, 2048, 8
+    w13 = torch.randint(0, 256, (e_, 2 * i, h // 2), dtype=torch.uint8, device="cuda")
+    s13 = (torch.rand(e_, 2 * i, h // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
+    g13 = torch.full((e_,), 1.0 / 64, device="cuda")
+    w2 = torch.randint(0, 256, (e_, h, i // 2), dtype=torch.uint8, device="cuda")
+    s2 = (torch.rand(e_, h, i // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
+    g2 = torch.full((e_,), 1.0 / 64, device="cuda")
+    per_expert = 3 * i * h // 2 + 3 * i * h // 16
+    one = dict(MP=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=1, DOWN_BLOCK_N=16)
+    cands = [
+        (None, None),
+        ("gemv", dict(one, PREFETCH=2, F16=1)),
+        ("gemv", dict(one, MP=2, F16=1, PREFETCH=2)),
+        ("gemv", dict(one, MP=2, BLOCK_N=32, DOWN_BLOCK_N=32, num_warps=4, F16=1)),
+    ]
+    for m in ms:
+        routes, tws = _routes(e_, m, topk, 20)
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+        nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+        for kern, cfg in cands:
+
+            def run(r, tw, cfg, x=x, out=out, kern=kern):
+                return moe_mod.fused_moe_nvfp4(
+                    x,
+                    r,
+                    tw,
+                    w13,
+                    s13,
+                    g13,
+                    w2,
+                    s2,
+                    g2,
+                    out=out,
+                    gate_up_config=cfg,
+                    kernel=kern,
+                ).clone()
+
+            _moe_sweep(f"moe_rows_f16[{kern or 'auto'}]", run, [cfg], m, routes, tws, nbytes)
+
+
 PARTS = {
+    "moe_rows_f16": moe_rows_f16,
     "f16": f16,
     "dense": dense,
     "dense2": dense2,
