@@ -47,6 +47,23 @@ class RopeScaling:
         )
 
 
+DEFAULT_MAX_POSITIONS = 4096  # a config.json or GGUF file that does not say
+
+
+def served_context_len(requested: int | None, model_positions: int) -> int:
+    """The served context: `requested` (--max-model-len), else the model's positions. Longer
+    than the model's positions is refused: its RoPE table ends there (and a rank past it
+    would fail mid-step, taking every rank with it)."""
+    if requested is None:
+        return model_positions
+    if requested > model_positions:
+        raise ConfigError(
+            f"--max-model-len {requested} exceeds the model's context of "
+            f"{model_positions} tokens (max_position_embeddings)."
+        )
+    return requested
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only model: dense Llama or DeepSeek-V3 (MLA + MoE)."""
@@ -108,17 +125,9 @@ class ModelConfig:
         )
 
     def context_len(self, requested: int | None) -> int:
-        """The served context: `requested` (--max-model-len), else the model's. Longer than
-        the model's positions is refused: its RoPE table ends there (and a rank past it
-        would fail mid-step, taking every rank with it)."""
-        if requested is None:
-            return self.max_position_embeddings
-        if requested > self.max_position_embeddings:
-            raise ConfigError(
-                f"--max-model-len {requested} exceeds the model's context of "
-                f"{self.max_position_embeddings} tokens (max_position_embeddings)."
-            )
-        return requested
+        """The served context: `requested` (--max-model-len), else the model's; see
+        served_context_len."""
+        return served_context_len(requested, self.max_position_embeddings)
 
     def with_layers(self, n: int) -> ModelConfig:
         """The same model cut to `n` layers (benchmarks on real shapes, fewer layers)."""
@@ -159,7 +168,7 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta if theta is not None else 10000.0),
             rope_scaling=RopeScaling.from_hf(rope),
-            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            max_position_embeddings=c.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -229,7 +238,7 @@ class ModelConfig:
             intermediate_size=int(meta["feed_forward_length"]),
             rms_norm_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(meta.get("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(meta.get("context_length", 4096)),
+            max_position_embeddings=int(meta.get("context_length", DEFAULT_MAX_POSITIONS)),
             tie_word_embeddings=bool(meta.get("tie_word_embeddings", False)),
             dtype=torch.float32,
         )

@@ -26,7 +26,15 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from moeserve.config import ConfigError, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
+from moeserve.config import (
+    DEFAULT_MAX_POSITIONS,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_dtype,
+    served_context_len,
+)
 from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.engine.errors import EngineDead, EngineInputError, RequestFailed
@@ -600,16 +608,23 @@ def _with_communicator(cfg: EngineConfig, tp: TPGroup, device: str, dtype: torch
 
 
 def model_hidden_size(model: str | None) -> int:
-    """The hidden size from a checkpoint's description, before loading it."""
+    return model_limits(model)[0]
+
+
+def model_limits(model: str | None) -> tuple[int, int]:
+    """(hidden size, positions) from a checkpoint's description, before loading it."""
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
         from gguf import GGUFReader
 
         meta = GGUFReader(path).fields
         arch = meta["general.architecture"].contents()
-        return int(meta[f"{arch}.embedding_length"].contents())
+        ctx = meta.get(f"{arch}.context_length")
+        positions = int(ctx.contents()) if ctx is not None else DEFAULT_MAX_POSITIONS
+        return int(meta[f"{arch}.embedding_length"].contents()), positions
     with open(os.path.join(path, "config.json")) as f:
-        return ModelConfig.from_hf(json.load(f)).hidden_size
+        mc = ModelConfig.from_hf(json.load(f))
+    return mc.hidden_size, mc.max_position_embeddings
 
 
 def _start_spawned_ranks(cfg: EngineConfig, device: str) -> Executor:
@@ -623,6 +638,8 @@ def _start_spawned_ranks(cfg: EngineConfig, device: str) -> Executor:
                 f"--tensor-parallel-size {world} needs {world} GPUs from {device}; "
                 f"this host has {have}."
             )
+    # refuse a bad --max-model-len here, once, rather than from every rank
+    served_context_len(cfg.scheduler.max_model_len, model_limits(cfg.model)[1])
     apply_safe_env()  # inherited by the spawned ranks
     store = tempfile.TemporaryDirectory(prefix="moeserve-dist-")
     init = f"file://{os.path.join(store.name, 'store')}"
