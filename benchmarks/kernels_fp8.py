@@ -190,13 +190,19 @@ def _event_time_us(fn, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def rand_fp8_experts(e: int, h: int, i: int) -> tuple[torch.Tensor, ...]:
+    """Random stacked block-FP8 experts (w13, s13, w2, s2) in the fused MoE's layout."""
+    w13 = (torch.randn(e, 2 * i, h, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    s13 = torch.rand(e, 2 * i // 128, h // 128, device="cuda") * 0.01 + 1e-3
+    w2 = (torch.randn(e, h, i, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    s2 = torch.rand(e, h // 128, i // 128, device="cuda") * 0.01 + 1e-3
+    return w13, s13, w2, s2
+
+
 def bench_moe(records: list, checks: list, sweep: bool) -> None:
     e_, h, i, topk = MOE["E"], MOE["H"], MOE["I"], MOE["topk"]
     log(f"== fused block-FP8 MoE: {topk} of {e_} experts, H={h}, I={i} ==")
-    w13 = (torch.randn(e_, 2 * i, h, device="cuda") * 0.5).to(torch.float8_e4m3fn)
-    s13 = torch.rand(e_, 2 * i // 128, h // 128, device="cuda") * 0.01 + 1e-3
-    w2 = (torch.randn(e_, h, i, device="cuda") * 0.5).to(torch.float8_e4m3fn)
-    s2 = torch.rand(e_, h // 128, i // 128, device="cuda") * 0.01 + 1e-3
+    w13, s13, w2, s2 = rand_fp8_experts(e_, h, i)
     per_expert = 3 * i * h + 4 * 3 * (i // 128) * (h // 128)
     key = f"{e_}:{2 * i}x{h}"
     for m in MOE_MS:

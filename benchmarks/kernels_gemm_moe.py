@@ -110,6 +110,16 @@ def rand_nvfp4(n: int, k: int, copies: int, dev: str) -> list[tuple]:
     return out
 
 
+def rand_nvfp4_experts(e: int, h: int, i: int, dev: str) -> tuple[torch.Tensor, ...]:
+    """Random stacked NVFP4 experts (w13, s13, g13, w2, s2, g2) in the fused MoE's layout."""
+    w13 = torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, device=dev)
+    s13 = (torch.rand(e, 2 * i, h // 16, device=dev) * 2 + 0.25).to(torch.float8_e4m3fn)
+    w2 = torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8, device=dev)
+    s2 = (torch.rand(e, h, i // 16, device=dev) * 2 + 0.25).to(torch.float8_e4m3fn)
+    gs = torch.full((e,), 1.0 / 64, device=dev)
+    return w13, s13, gs, w2, s2, gs.clone()
+
+
 def nvfp4_bytes(m: int, n: int, k: int) -> int:
     return n * k // 2 + n * k // 16 + 2 * m * k + 2 * m * n
 
@@ -536,12 +546,7 @@ def moe_candidates(m: int, sweep: bool) -> list[tuple[str, dict | None, dict | N
 def bench_moe(dev: str, decode: int, sweep: bool, records: list, best_cfgs: dict) -> None:
     e_, h, i, topk = MOE["E"], MOE["H"], MOE["I"], MOE["topk"]
     log(f"== fused NVFP4 MoE: {topk} of {e_} experts, H={h}, I={i} (graph-timed) ==")
-    w13 = torch.randint(0, 256, (e_, 2 * i, h // 2), dtype=torch.uint8, device=dev)
-    s13 = (torch.rand(e_, 2 * i, h // 16, device=dev) * 2 + 0.25).to(torch.float8_e4m3fn)
-    g13 = torch.full((e_,), 1.0 / 64, device=dev)
-    w2 = torch.randint(0, 256, (e_, h, i // 2), dtype=torch.uint8, device=dev)
-    s2 = (torch.rand(e_, h, i // 16, device=dev) * 2 + 0.25).to(torch.float8_e4m3fn)
-    g2 = torch.full((e_,), 1.0 / 64, device=dev)
+    w13, s13, g13, w2, s2, g2 = rand_nvfp4_experts(e_, h, i, dev)
     per_expert = 2 * i * h // 2 + 2 * i * h // 16 + h * i // 2 + h * i // 16
     # bf16 copies for the torch peer, only of experts used by the routings below
     torch.manual_seed(1)

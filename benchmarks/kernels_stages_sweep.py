@@ -29,6 +29,7 @@ import sys
 import traceback
 
 import torch
+from kernels_fp8 import rand_fp8_experts
 from kernels_gemm_moe import (
     GEMM_SHAPES,
     HBM_BYTES_PER_S,
@@ -36,6 +37,7 @@ from kernels_gemm_moe import (
     n_copies,
     nvfp4_bytes,
     rand_nvfp4,
+    rand_nvfp4_experts,
 )
 
 from moeserve.kernels import fp8_block_gemm as f8
@@ -194,12 +196,7 @@ def _moe_sweep(kind: str, run, cands: list, m: int, routes, tws, nbytes: float) 
 
 def moe_nvfp4(ms: tuple[int, ...] = (1, 8)) -> None:
     e_, h, i, topk = 384, 7168, 2048, 8
-    w13 = torch.randint(0, 256, (e_, 2 * i, h // 2), dtype=torch.uint8, device="cuda")
-    s13 = (torch.rand(e_, 2 * i, h // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
-    g13 = torch.full((e_,), 1.0 / 64, device="cuda")
-    w2 = torch.randint(0, 256, (e_, h, i // 2), dtype=torch.uint8, device="cuda")
-    s2 = (torch.rand(e_, h, i // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
-    g2 = torch.full((e_,), 1.0 / 64, device="cuda")
+    w13, s13, g13, w2, s2, g2 = rand_nvfp4_experts(e_, h, i, "cuda")
     per_expert = 3 * i * h // 2 + 3 * i * h // 16
     for m in ms:
         routes, tws = _routes(e_, m, topk, 20)
@@ -241,10 +238,7 @@ def moe_nvfp4(ms: tuple[int, ...] = (1, 8)) -> None:
 
 def moe_fp8(ms: tuple[int, ...] = (1,)) -> None:
     e_, h, i, topk = 256, 7168, 2048, 8
-    w13 = (torch.randn(e_, 2 * i, h, device="cuda") * 0.5).to(torch.float8_e4m3fn)
-    s13 = torch.rand(e_, 2 * i // 128, h // 128, device="cuda") * 0.01 + 1e-3
-    w2 = (torch.randn(e_, h, i, device="cuda") * 0.5).to(torch.float8_e4m3fn)
-    s2 = torch.rand(e_, h // 128, i // 128, device="cuda") * 0.01 + 1e-3
+    w13, s13, w2, s2 = rand_fp8_experts(e_, h, i)
     per_expert = 3 * i * h + 4 * 3 * (i // 128) * (h // 128)
     cands = [None] + [
         dict(MP=1, BLOCK_N=bn, DOWN_BLOCK_N=dbn, BLOCK_K=128, num_warps=w, num_stages=1, STAGES=st)
@@ -362,10 +356,7 @@ def fp8_small() -> None:
 def moe_fp8_rows(ms: tuple[int, ...] = (4, 8, 16)) -> None:
     """The MP=2/4 GEMV blocks of the block-FP8 MoE with and without STAGES."""
     e_, h, i, topk = 256, 7168, 2048, 8
-    w13 = (torch.randn(e_, 2 * i, h, device="cuda") * 0.5).to(torch.float8_e4m3fn)
-    s13 = torch.rand(e_, 2 * i // 128, h // 128, device="cuda") * 0.01 + 1e-3
-    w2 = (torch.randn(e_, h, i, device="cuda") * 0.5).to(torch.float8_e4m3fn)
-    s2 = torch.rand(e_, h // 128, i // 128, device="cuda") * 0.01 + 1e-3
+    w13, s13, w2, s2 = rand_fp8_experts(e_, h, i)
     per_expert = 3 * i * h + 4 * 3 * (i // 128) * (h // 128)
     for m in ms:
         routes, tws = _routes(e_, m, topk, 16)
@@ -474,12 +465,7 @@ def f16() -> None:
 
 def moe_nvfp4_f16(ms: tuple[int, ...] = (1, 8)) -> None:
     e_, h, i, topk = 384, 7168, 2048, 8
-    w13 = torch.randint(0, 256, (e_, 2 * i, h // 2), dtype=torch.uint8, device="cuda")
-    s13 = (torch.rand(e_, 2 * i, h // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
-    g13 = torch.full((e_,), 1.0 / 64, device="cuda")
-    w2 = torch.randint(0, 256, (e_, h, i // 2), dtype=torch.uint8, device="cuda")
-    s2 = (torch.rand(e_, h, i // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
-    g2 = torch.full((e_,), 1.0 / 64, device="cuda")
+    w13, s13, g13, w2, s2, g2 = rand_nvfp4_experts(e_, h, i, "cuda")
     per_expert = 3 * i * h // 2 + 3 * i * h // 16
     key = f"{e_}:{2 * i}x{h}"
     for m in ms:
@@ -505,12 +491,7 @@ def moe_rows_f16(ms: tuple[int, ...] = (4, 8, 16, 32)) -> None:
     """NVFP4 MoE at a few tokens: the dispatcher's choice (the mma.sync GEMV from 5 tokens)
     against the CUDA-core GEMV with F16 products (blocks of 1 and 2 slots)."""
     e_, h, i, topk = 384, 7168, 2048, 8
-    w13 = torch.randint(0, 256, (e_, 2 * i, h // 2), dtype=torch.uint8, device="cuda")
-    s13 = (torch.rand(e_, 2 * i, h // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
-    g13 = torch.full((e_,), 1.0 / 64, device="cuda")
-    w2 = torch.randint(0, 256, (e_, h, i // 2), dtype=torch.uint8, device="cuda")
-    s2 = (torch.rand(e_, h, i // 16, device="cuda") * 2 + 0.25).to(torch.float8_e4m3fn)
-    g2 = torch.full((e_,), 1.0 / 64, device="cuda")
+    w13, s13, g13, w2, s2, g2 = rand_nvfp4_experts(e_, h, i, "cuda")
     per_expert = 3 * i * h // 2 + 3 * i * h // 16
     one = dict(MP=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=1, DOWN_BLOCK_N=16)
     cands = [

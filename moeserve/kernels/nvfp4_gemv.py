@@ -283,25 +283,12 @@ def _load_x(x_row, row_ok, kw0, K, BW: tl.constexpr):
 
 @triton.jit
 def _tile_update(
-    acc0,
-    acc1,
-    acc2,
-    acc3,
-    q,
-    s8,
-    x_rows,
-    oks,
-    xss,
-    xinvs,
-    kw,
-    K,
-    R: tl.constexpr,
-    BW: tl.constexpr,
-    MP: tl.constexpr,
-    DECODE: tl.constexpr,
+    accs, q, s8, x_rows, oks, xss, xinvs, kw, K,
+    R: tl.constexpr, BW: tl.constexpr, MP: tl.constexpr, DECODE: tl.constexpr,
     F16: tl.constexpr,
-):
+):  # fmt: skip
     """Add one tile's block partials to the MP accumulators (fp32 or f16x2 products)."""
+    acc0, acc1, acc2, acc3 = accs
     x_row0, x_row1, x_row2, x_row3 = x_rows
     ok0, ok1, ok2, ok3 = oks
     s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -377,10 +364,8 @@ def gemv_accumulate(
     (programmatic dependent launch): weights are constants, x is that kernel's output.
     F16: products in f16x2 (one fma.rn.f16x2 per two weights) on x scaled per row by a power
     of two, 16-term block sums converted to fp32; the accumulators are the same."""
-    acc0 = tl.zeros((R, BW // 2), dtype=tl.float32)
-    acc1 = tl.zeros((R, BW // 2), dtype=tl.float32)
-    acc2 = tl.zeros((R, BW // 2), dtype=tl.float32)
-    acc3 = tl.zeros((R, BW // 2), dtype=tl.float32)
+    zero = tl.zeros((R, BW // 2), dtype=tl.float32)
+    accs = (zero, zero, zero, zero)
     x_rows = (x_row0, x_row1, x_row2, x_row3)
     oks = (ok0, ok1, ok2, ok3)
     xss = (1.0, 1.0, 1.0, 1.0)
@@ -396,26 +381,8 @@ def gemv_accumulate(
         for it in tl.range(0, K_ITERS, num_stages=STAGES):
             kw = kw_begin + it * BW
             q, s8 = _load_words(w_rows, s_rows, n_mask, kw, KW, BW)
-            acc0, acc1, acc2, acc3 = _tile_update(
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                q,
-                s8,
-                x_rows,
-                oks,
-                xss,
-                xinvs,
-                kw,
-                K,
-                R,
-                BW,
-                MP,
-                DECODE,
-                F16,
-            )
-        return acc0, acc1, acc2, acc3
+            accs = _tile_update(accs, q, s8, x_rows, oks, xss, xinvs, kw, K, R, BW, MP, DECODE, F16)
+        return accs
     kw0 = kw_begin
     q, s8 = _load_words(w_rows, s_rows, n_mask, kw0, KW, BW)
     q1, s81 = _load_words(w_rows, s_rows, n_mask, kw0 + BW, KW, BW)
@@ -426,32 +393,14 @@ def gemv_accumulate(
     for _ in range(K_ITERS):
         if PREFETCH == 2:
             q2, s82 = _load_words(w_rows, s_rows, n_mask, kw0 + 2 * BW, KW, BW)
-        acc0, acc1, acc2, acc3 = _tile_update(
-            acc0,
-            acc1,
-            acc2,
-            acc3,
-            q,
-            s8,
-            x_rows,
-            oks,
-            xss,
-            xinvs,
-            kw0,
-            K,
-            R,
-            BW,
-            MP,
-            DECODE,
-            F16,
-        )
+        accs = _tile_update(accs, q, s8, x_rows, oks, xss, xinvs, kw0, K, R, BW, MP, DECODE, F16)
         if PREFETCH == 2:
             q, s8, q1, s81 = q1, s81, q2, s82
         else:
             q, s8 = q1, s81
             q1, s81 = _load_words(w_rows, s_rows, n_mask, kw0 + 2 * BW, KW, BW)
         kw0 += BW
-    return acc0, acc1, acc2, acc3
+    return accs
 
 
 @triton.jit

@@ -37,10 +37,8 @@ def test_gemm_paths(kernel, m):
     _close(y, nv.nvfp4_gemm_ref(x, packed, scale, gs))
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "gemv_mma", "mma"])
-@pytest.mark.parametrize("m", [1, 5, 40])
-def test_moe_paths(kernel, m):
-    torch.manual_seed(100 + m)
+def _moe_case(m: int) -> tuple:
+    """m tokens routed to 4 of 12 small quantized experts: (x, ids, weights, expert tensors)."""
     e, h, i, topk = 12, 512, 256, 4
     parts13 = [fmt.quantize_nvfp4(torch.randn(2 * i, h, device="cuda") * 0.05) for _ in range(e)]
     parts2 = [fmt.quantize_nvfp4(torch.randn(h, i, device="cuda") * 0.05) for _ in range(e)]
@@ -49,6 +47,14 @@ def test_moe_paths(kernel, m):
     ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(m)]).int()
     tw = torch.rand(m, topk, device="cuda")
     x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    return x, ids, tw, (w13, s13, g13, w2, s2, g2)
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "gemv_mma", "mma"])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_moe_paths(kernel, m):
+    torch.manual_seed(100 + m)
+    x, ids, tw, (w13, s13, g13, w2, s2, g2) = _moe_case(m)
     y = moe.fused_moe_nvfp4(x, ids, tw, w13, s13, g13, w2, s2, g2, kernel=kernel)
     _close(y, moe.fused_moe_nvfp4_ref(x, ids, tw, w13, s13, g13, w2, s2, g2))
 
@@ -110,14 +116,7 @@ def test_gemv_f16_products(m, x_scale, stages):
 @pytest.mark.parametrize("m", [1, 5])
 def test_moe_gemv_f16_products(m):
     torch.manual_seed(200 + m)
-    e, h, i, topk = 12, 512, 256, 4
-    parts13 = [fmt.quantize_nvfp4(torch.randn(2 * i, h, device="cuda") * 0.05) for _ in range(e)]
-    parts2 = [fmt.quantize_nvfp4(torch.randn(h, i, device="cuda") * 0.05) for _ in range(e)]
-    w13, s13, g13 = (torch.stack([p[j] for p in parts13]) for j in range(3))
-    w2, s2, g2 = (torch.stack([p[j] for p in parts2]) for j in range(3))
-    ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(m)]).int()
-    tw = torch.rand(m, topk, device="cuda")
-    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    x, ids, tw, (w13, s13, g13, w2, s2, g2) = _moe_case(m)
     cfg = dict(MP=1 if m == 1 else 2, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=1)
     y = moe.fused_moe_nvfp4(
         x, ids, tw, w13, s13, g13, w2, s2, g2, kernel="gemv", gate_up_config=dict(cfg, F16=1)
