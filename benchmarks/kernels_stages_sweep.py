@@ -29,6 +29,7 @@ import sys
 import traceback
 
 import torch
+from kernels_fp8 import SHAPES as FP8_SHAPES
 from kernels_fp8 import rand_fp8_experts
 from kernels_gemm_moe import (
     GEMM_SHAPES,
@@ -47,16 +48,6 @@ from moeserve.kernels import splitk
 from moeserve.kernels.configs import tile_config
 from moeserve.kernels.moe_fp8 import fused_moe_fp8
 
-FP8_SHAPES = {  # DeepSeek-V3 (N, K) on one GPU
-    "q_b_proj": (24576, 1536),
-    "o_proj": (7168, 16384),
-    "shared_gate_up": (4096, 7168),
-    "shared_down": (7168, 2048),
-    "dense_gate_up": (36864, 7168),
-    "dense_down": (7168, 18432),
-    "q_a_kv_a": (2112, 7168),
-    "kv_b_proj": (32768, 512),
-}
 records: list[dict] = []
 
 
@@ -176,6 +167,15 @@ def _routes(e_: int, m: int, topk: int, n: int) -> tuple[list, list]:
     return routes, [torch.rand(m, topk, device="cuda") for _ in range(n)]
 
 
+def _moe_inputs(e_: int, m: int, topk: int, h: int, per_expert: int, n: int) -> tuple:
+    """n routings of m tokens, x, out, and the bytes of the distinct experts they touch."""
+    routes, tws = _routes(e_, m, topk, n)
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+    nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+    return routes, tws, x, out, nbytes
+
+
 def _moe_sweep(kind: str, run, cands: list, m: int, routes, tws, nbytes: float) -> None:
     ref = run(routes[0], tws[0], None)
     for cfg in cands:
@@ -196,13 +196,10 @@ def _moe_sweep(kind: str, run, cands: list, m: int, routes, tws, nbytes: float) 
 
 def moe_nvfp4(ms: tuple[int, ...] = (1, 8)) -> None:
     e_, h, i, topk = 384, 7168, 2048, 8
-    w13, s13, g13, w2, s2, g2 = rand_nvfp4_experts(e_, h, i, "cuda")
+    experts = rand_nvfp4_experts(e_, h, i, "cuda")
     per_expert = 3 * i * h // 2 + 3 * i * h // 16
     for m in ms:
-        routes, tws = _routes(e_, m, topk, 20)
-        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
-        nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+        routes, tws, x, out, nbytes = _moe_inputs(e_, m, topk, h, per_expert, 20)
         mp = 1 if m == 1 else 2
         cands = [None] + [
             dict(
@@ -230,7 +227,7 @@ def moe_nvfp4(ms: tuple[int, ...] = (1, 8)) -> None:
 
         def run(r, tw, cfg, x=x, out=out):
             return moe_mod.fused_moe_nvfp4(
-                x, r, tw, w13, s13, g13, w2, s2, g2, out=out, gate_up_config=cfg, kernel="gemv"
+                x, r, tw, *experts, out=out, gate_up_config=cfg, kernel="gemv"
             ).clone()
 
         _moe_sweep("moe_nvfp4", run, cands, m, routes, tws, nbytes)
@@ -252,10 +249,7 @@ def moe_fp8(ms: tuple[int, ...] = (1,)) -> None:
         )
     ]
     for m in ms:
-        routes, tws = _routes(e_, m, topk, 16)
-        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
-        nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+        routes, tws, x, out, nbytes = _moe_inputs(e_, m, topk, h, per_expert, 16)
 
         def run(r, tw, cfg, x=x, out=out):
             return fused_moe_fp8(
@@ -331,7 +325,9 @@ def fp8_dense(ms: tuple[int, ...] = (1, 2, 4)) -> None:
 
 def fp8_small() -> None:
     """Round 2 for the block-FP8 shapes under 16 MB, where ramp and tail dominate (M=1)."""
-    small = {k: FP8_SHAPES[k] for k in ("shared_gate_up", "shared_down", "q_a_kv_a", "kv_b_proj")}
+    small = {
+        k: FP8_SHAPES[k] for k in ("shared_gate_up", "shared_down", "q_a_kv_a_proj", "kv_b_proj")
+    }
     cands = [
         ("gemv", _gemv_cfg(bn, 128, w, st, sk))
         for bn, w, st, sk in (
@@ -359,10 +355,7 @@ def moe_fp8_rows(ms: tuple[int, ...] = (4, 8, 16)) -> None:
     w13, s13, w2, s2 = rand_fp8_experts(e_, h, i)
     per_expert = 3 * i * h + 4 * 3 * (i // 128) * (h // 128)
     for m in ms:
-        routes, tws = _routes(e_, m, topk, 16)
-        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
-        nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+        routes, tws, x, out, nbytes = _moe_inputs(e_, m, topk, h, per_expert, 16)
         cands = [None] + [
             dict(
                 MP=mp,
@@ -402,10 +395,7 @@ def moe_w16(ms: tuple[int, ...] = (1,)) -> None:
         )
     ]
     for m in ms:
-        routes, tws = _routes(e_, m, topk, 16)
-        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
-        nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+        routes, tws, x, out, nbytes = _moe_inputs(e_, m, topk, h, per_expert, 16)
 
         def run(r, tw, cfg, x=x, out=out):
             return fused_moe_fp8(
@@ -465,14 +455,11 @@ def f16() -> None:
 
 def moe_nvfp4_f16(ms: tuple[int, ...] = (1, 8)) -> None:
     e_, h, i, topk = 384, 7168, 2048, 8
-    w13, s13, g13, w2, s2, g2 = rand_nvfp4_experts(e_, h, i, "cuda")
+    experts = rand_nvfp4_experts(e_, h, i, "cuda")
     per_expert = 3 * i * h // 2 + 3 * i * h // 16
     key = f"{e_}:{2 * i}x{h}"
     for m in ms:
-        routes, tws = _routes(e_, m, topk, 20)
-        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
-        nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+        routes, tws, x, out, nbytes = _moe_inputs(e_, m, topk, h, per_expert, 20)
         base = tile_config("moe_gemv", m, key)
         cands = [None, dict(base, F16=1)] + [
             dict(base, F16=1, STAGES=st, BLOCK_N=bn, DOWN_BLOCK_N=dbn, num_warps=w)
@@ -481,7 +468,7 @@ def moe_nvfp4_f16(ms: tuple[int, ...] = (1, 8)) -> None:
 
         def run(r, tw, cfg, x=x, out=out):
             return moe_mod.fused_moe_nvfp4(
-                x, r, tw, w13, s13, g13, w2, s2, g2, out=out, gate_up_config=cfg, kernel="gemv"
+                x, r, tw, *experts, out=out, gate_up_config=cfg, kernel="gemv"
             ).clone()
 
         _moe_sweep("moe_nvfp4_f16", run, cands, m, routes, tws, nbytes)
@@ -491,7 +478,7 @@ def moe_rows_f16(ms: tuple[int, ...] = (4, 8, 16, 32)) -> None:
     """NVFP4 MoE at a few tokens: the dispatcher's choice (the mma.sync GEMV from 5 tokens)
     against the CUDA-core GEMV with F16 products (blocks of 1 and 2 slots)."""
     e_, h, i, topk = 384, 7168, 2048, 8
-    w13, s13, g13, w2, s2, g2 = rand_nvfp4_experts(e_, h, i, "cuda")
+    experts = rand_nvfp4_experts(e_, h, i, "cuda")
     per_expert = 3 * i * h // 2 + 3 * i * h // 16
     one = dict(MP=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=1, DOWN_BLOCK_N=16)
     cands = [
@@ -501,10 +488,7 @@ def moe_rows_f16(ms: tuple[int, ...] = (4, 8, 16, 32)) -> None:
         ("gemv", dict(one, MP=2, BLOCK_N=32, DOWN_BLOCK_N=32, num_warps=4, F16=1)),
     ]
     for m in ms:
-        routes, tws = _routes(e_, m, topk, 20)
-        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
-        nbytes = statistics.mean(len(torch.unique(r)) for r in routes) * per_expert + 4 * m * h
+        routes, tws, x, out, nbytes = _moe_inputs(e_, m, topk, h, per_expert, 20)
         for kern, cfg in cands:
 
             def run(r, tw, cfg, x=x, out=out, kern=kern):
@@ -512,12 +496,7 @@ def moe_rows_f16(ms: tuple[int, ...] = (4, 8, 16, 32)) -> None:
                     x,
                     r,
                     tw,
-                    w13,
-                    s13,
-                    g13,
-                    w2,
-                    s2,
-                    g2,
+                    *experts,
                     out=out,
                     gate_up_config=cfg,
                     kernel=kern,
