@@ -85,6 +85,28 @@ NVFP4_M1 = [
 ]  # BLOCK_N, BLOCK_K, num_warps, STAGES, SPLIT_K
 
 
+def _time_product(kind: str, call, ws: list, ref, nbytes: float, **fields) -> None:
+    """Time call(w) cycling over the weight copies ws (one CUDA graph), compare call(ws[0]) with
+    ref (when given), then record and print one row."""
+    try:
+        err = rel_err(call(ws[0]), ref) if ref is not None else float("nan")
+        t = graph_time_us([lambda w=w: call(w) for w in ws], 100)
+    except Exception as e:  # noqa: BLE001
+        log(f"{kind} {fields} failed {e!r}"[:300])
+        return
+    p = pct(nbytes, t["us"])
+    records.append(dict(kind=kind, **fields, us=t["us"], pct=p, err=err))
+    shape, m, cfg = fields.get("shape"), fields.get("M"), fields.get("cfg")
+    log(
+        f"{kind} {shape:15s} M={m} {fields.get('kernel', '')} {t['us']:7.2f} us {p:5.1f}% "
+        f"err {err:.1e} {cfg}"
+    )
+
+
+def _nvfp4_call(x, out, wsp, cfg, kernel):
+    return lambda w: nv.nvfp4_gemm(x, *w, out=out, workspace=wsp, config=cfg, kernel=kernel)
+
+
 def dense() -> None:
     for name, (n, k) in GEMM_SHAPES.items():
         ws = rand_nvfp4(n, k, n_copies(n * k // 2 + n * k // 16), "cuda")
@@ -95,24 +117,9 @@ def dense() -> None:
         cands = [(tile_config("nvfp4_gemv", 1, f"{n}x{k}"), True)]
         cands += [(_gemv_cfg(*c, PDL=p), False) for c in NVFP4_M1 for p in (0, 1)]
         for cfg, base in cands:
-            try:
-                got = nv.nvfp4_gemm(x, *ws[0], out=out, workspace=wsp, config=cfg, kernel="gemv")
-                err = rel_err(got, ref)
-                fns = [
-                    lambda w=w, cfg=cfg, x=x, out=out, wsp=wsp: nv.nvfp4_gemm(
-                        x, *w, out=out, workspace=wsp, config=cfg, kernel="gemv"
-                    )
-                    for w in ws
-                ]
-                t = graph_time_us(fns, 100)
-            except Exception as e:  # noqa: BLE001
-                log(f"{name} M=1 {cfg} failed {e!r}"[:300])
-                continue
-            p = pct(nvfp4_bytes(1, n, k), t["us"])
-            records.append(
-                dict(kind="dense", shape=name, M=1, cfg=cfg, us=t["us"], pct=p, err=err, base=base)
-            )
-            log(f"{name:15s} M=1 {t['us']:7.2f} us {p:5.1f}% err {err:.1e} {'BASE ' * base}{cfg}")
+            call = _nvfp4_call(x, out, wsp, cfg, "gemv")
+            nbytes = nvfp4_bytes(1, n, k)
+            _time_product("dense", call, ws, ref, nbytes, shape=name, M=1, cfg=cfg, base=base)
         del ws
         torch.cuda.empty_cache()
 
@@ -138,23 +145,11 @@ def dense2(ms: tuple[int, ...] = (1, 2, 4)) -> None:
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             wsp = splitk.SplitKWorkspace.create(16 * n, 4096, "cuda")
             for kern, cfg in cands:
-                kw = None if kern == "auto" else kern
-                fns = [
-                    lambda w=w, cfg=cfg, kw=kw, x=x, out=out, wsp=wsp: nv.nvfp4_gemm(
-                        x, *w, out=out, workspace=wsp, config=cfg, kernel=kw
-                    )
-                    for w in ws
-                ]
-                try:
-                    t = graph_time_us(fns, 100)
-                except Exception as e:  # noqa: BLE001
-                    log(f"{name} M={m} {cfg} failed {e!r}"[:300])
-                    continue
-                p = pct(nvfp4_bytes(m, n, k), t["us"])
-                records.append(
-                    dict(kind="dense2", shape=name, M=m, kernel=kern, cfg=cfg, us=t["us"], pct=p)
+                call = _nvfp4_call(x, out, wsp, cfg, None if kern == "auto" else kern)
+                nbytes = nvfp4_bytes(m, n, k)
+                _time_product(
+                    "dense2", call, ws, None, nbytes, shape=name, M=m, kernel=kern, cfg=cfg
                 )
-                log(f"nvfp4 {name:15s} M={m} {kern:4s} {t['us']:7.2f} us {p:5.1f}% {cfg}")
         del ws
         torch.cuda.empty_cache()
 
@@ -272,33 +267,12 @@ def _fp8_dense_shape(name: str, n: int, k: int, ms: tuple[int, ...], cands: list
         wsp = splitk.SplitKWorkspace.create(16 * n, 4096, "cuda")
         ref = f8.fp8_block_gemm_ref(x, *ws[0])
         for kern, cfg in cands if m == 1 else cands[:5]:
-            try:
-                got = f8.fp8_block_gemm(x, *ws[0], out=out, workspace=wsp, config=cfg, kernel=kern)
-                err = rel_err(got, ref)
-                fns = [
-                    lambda w=w, cfg=cfg, kern=kern, x=x, out=out, wsp=wsp: f8.fp8_block_gemm(
-                        x, *w, out=out, workspace=wsp, config=cfg, kernel=kern
-                    )
-                    for w in ws
-                ]
-                t = graph_time_us(fns, 100)
-            except Exception as e:  # noqa: BLE001
-                log(f"fp8 {name} M={m} {cfg} failed {e!r}"[:300])
-                continue
-            p = pct(one + 2 * m * (k + n), t["us"])
-            records.append(
-                dict(
-                    kind="fp8_dense",
-                    shape=name,
-                    M=m,
-                    kernel=kern,
-                    cfg=cfg,
-                    us=t["us"],
-                    pct=p,
-                    err=err,
-                )
-            )
-            log(f"fp8 {name:15s} M={m} {kern:4s} {t['us']:7.2f} us {p:5.1f}% err {err:.1e} {cfg}")
+
+            def call(w, x=x, out=out, wsp=wsp, cfg=cfg, kern=kern):
+                return f8.fp8_block_gemm(x, *w, out=out, workspace=wsp, config=cfg, kernel=kern)
+
+            nbytes = one + 2 * m * (k + n)
+            _time_product("fp8_dense", call, ws, ref, nbytes, shape=name, M=m, kernel=kern, cfg=cfg)
     del ws
     torch.cuda.empty_cache()
 
@@ -428,26 +402,9 @@ def f16() -> None:
                 )
             ]
             for cfg in cands:
-                try:
-                    got = nv.nvfp4_gemm(
-                        x, *ws[0], out=out, workspace=wsp, config=cfg, kernel="gemv"
-                    )
-                    err = rel_err(got, ref)
-                    fns = [
-                        lambda w=w, cfg=cfg, x=x, out=out, wsp=wsp: nv.nvfp4_gemm(
-                            x, *w, out=out, workspace=wsp, config=cfg, kernel="gemv"
-                        )
-                        for w in ws
-                    ]
-                    t = graph_time_us(fns, 100)
-                except Exception as e:  # noqa: BLE001
-                    log(f"f16 {name} M={m} {cfg} failed {e!r}"[:300])
-                    continue
-                p = pct(nvfp4_bytes(m, n, k), t["us"])
-                records.append(
-                    dict(kind="f16", shape=name, M=m, cfg=cfg, us=t["us"], pct=p, err=err)
-                )
-                log(f"f16 {name:15s} M={m} {t['us']:7.2f} us {p:5.1f}% err {err:.1e} {cfg}")
+                call = _nvfp4_call(x, out, wsp, cfg, "gemv")
+                nbytes = nvfp4_bytes(m, n, k)
+                _time_product("f16", call, ws, ref, nbytes, shape=name, M=m, cfg=cfg)
         del ws
         torch.cuda.empty_cache()
     moe_nvfp4_f16()
