@@ -6,7 +6,10 @@ limits it is instruction issue, not the MMA: the tensor-core path (nvfp4_gemm.py
 E2M1 to bf16 and move the tile through shared memory into the MMA operand layout, ~5.6
 instructions per weight element. Here nothing leaves the registers: each 32-bit word of 8 codes
 is decoded by 15 integer instructions into 8 fp32 values, each then costs one FMA per row of x.
-The block scale multiplies a 16-element partial sum (1/16 of an FMA per element).
+The block scale multiplies a 16-element partial sum (1/16 of an FMA per element). With the F16
+tile option the products are f16x2 instead (one fma.rn.f16x2 per two weights, a 12-instruction
+decode per word, x scaled per row by a power of two; see _E2M1_F16X2_DOT_ASM), and with STAGES
+the K loop streams weight tiles through shared memory by cp.async instead of registers.
 
 Decode (Marlin-style on words): for codes (n_j, n_{j+4}) of word q, `x = q << (12-4j)` puts both
 signs at bits 15/31 and `t = (q << (9-4j)) & 0x0E000E00` puts (e1 e0 m) at bits 11..9 / 27..25;
