@@ -79,6 +79,7 @@ from moeserve.kernels.splitk import (  # noqa: E402
     SplitKWorkspace,
     _splitk_finish,
     choose_split_k,
+    dense_x_rows,
     interpreting,
     splitk_buffers,
 )
@@ -102,14 +103,8 @@ def _slot_dot(acc, w, x_row, ok, kk, K, s):
 
 @triton.jit
 def fp8_gemv_rows(
-    x0,
-    x1,
-    x2,
-    x3,
-    ok0,
-    ok1,
-    ok2,
-    ok3,
+    x_rows,
+    oks,
     rows,
     n_ok,
     s_row,
@@ -124,8 +119,9 @@ def fp8_gemv_rows(
     SCALE_BLOCK: tl.constexpr = 128,
 ):
     """Dot products of R weight rows (pointers [R, 1], one 128-row scale block whose scale row
-    starts at s_row) with up to 4 activation rows x0..x3 over K_ITERS tiles of BLOCK_K columns
-    from column k_begin -> four [R] fp32 accumulators (rows past MP stay 0). BLOCK_K divides
+    starts at s_row) with up to 4 activation rows (pointers x_rows, used where oks) over
+    K_ITERS tiles of BLOCK_K columns from column k_begin -> four [R] fp32 accumulators (rows
+    past MP stay 0). BLOCK_K divides
     128, so a tile has one scale; each weight tile is converted once and serves every row.
     STAGES > 0 lets Triton pipeline the weight tiles through that many shared-memory buffers
     (it pipelines loads that feed no tl.dot only when the loop names its stages)."""
@@ -133,6 +129,8 @@ def fp8_gemv_rows(
     acc1 = tl.zeros((R,), dtype=tl.float32)
     acc2 = tl.zeros((R,), dtype=tl.float32)
     acc3 = tl.zeros((R,), dtype=tl.float32)
+    x0, x1, x2, x3 = x_rows
+    ok0, ok1, ok2, ok3 = oks
     for it in tl.range(0, K_ITERS, num_stages=STAGES if STAGES > 0 else None):
         k0 = k_begin + it * BLOCK_K
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -181,29 +179,11 @@ def _fp8_block_gemv_kernel(
     n_ok = offs_n < N
     rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     s_row = s_ptr + (pid_n * BLOCK_N // SCALE_BLOCK).to(tl.int64) * KB
-    x0 = x_ptr + row0.to(tl.int64) * stride_xm
+    x_rows, oks = dense_x_rows(x_ptr, row0, stride_xm, M)
     a0, a1, a2, a3 = fp8_gemv_rows(
-        x0,
-        x0 + stride_xm,
-        x0 + 2 * stride_xm,
-        x0 + 3 * stride_xm,
-        row0 < M,
-        row0 + 1 < M,
-        row0 + 2 < M,
-        row0 + 3 < M,
-        rows,
-        n_ok[:, None],
-        s_row,
-        pid_k * K_ITERS * BLOCK_K,
-        K,
-        BLOCK_N,
-        BLOCK_K,
-        MP,
-        True,
-        K_ITERS,
-        STAGES,
-        SCALE_BLOCK,
-    )
+        x_rows, oks, rows, n_ok[:, None], s_row, pid_k * K_ITERS * BLOCK_K, K,
+        BLOCK_N, BLOCK_K, MP, True, K_ITERS, STAGES, SCALE_BLOCK,
+    )  # fmt: skip
     # [BLOCK_N, MP] in row order (each join adds the new lowest index)
     if MP == 1:
         acc = tl.reshape(a0, (BLOCK_N, 1))

@@ -44,7 +44,7 @@ from moeserve.kernels.nvfp4_gemv_mma import (
     mma_rows,
     mma_supported,
 )
-from moeserve.kernels.splitk import ACC_FIX_EXP, interpreting
+from moeserve.kernels.splitk import ACC_FIX_EXP, interpreting, slot_x_rows
 
 ALIGN_CHUNK = 1024  # slots handled per vector step inside the single-program align kernel
 ALIGN_BCHUNK = 32  # blocks per step when mapping blocks to experts ([32, E] compare)
@@ -337,15 +337,10 @@ def _moe_gate_up_gemv_kernel(
     n_ok = (offs_n < INTER)[:, None]
     w_rows = w_ptr + (expert.to(tl.int64) * 2 * INTER + w_row[:, None]) * KW
     s_rows = s_ptr + (expert.to(tl.int64) * 2 * INTER + w_row[:, None]) * (KW // 2)
+    x_rows, oks = slot_x_rows(x_ptr, (s0, s1, s2, s3), TOPK, stride_xm, Mk)
     acc0, acc1, acc2, acc3 = gemv_accumulate(
-        x_ptr + (s0 // TOPK).to(tl.int64) * stride_xm,
-        x_ptr + (s1 // TOPK).to(tl.int64) * stride_xm,
-        x_ptr + (s2 // TOPK).to(tl.int64) * stride_xm,
-        x_ptr + (s3 // TOPK).to(tl.int64) * stride_xm,
-        s0 < Mk,
-        s1 < Mk,
-        s2 < Mk,
-        s3 < Mk,
+        x_rows,
+        oks,
         w_rows,
         s_rows,
         n_ok,
@@ -413,15 +408,10 @@ def _moe_down_gemv_kernel(
     s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = expert.to(tl.int64) * H + offs_n[:, None]
+    x_rows, oks = slot_x_rows(a_ptr, (s0, s1, s2, s3), 1, INTER, Mk)
     acc0, acc1, acc2, acc3 = gemv_accumulate(
-        a_ptr + s0.to(tl.int64) * INTER,
-        a_ptr + s1.to(tl.int64) * INTER,
-        a_ptr + s2.to(tl.int64) * INTER,
-        a_ptr + s3.to(tl.int64) * INTER,
-        s0 < Mk,
-        s1 < Mk,
-        s2 < Mk,
-        s3 < Mk,
+        x_rows,
+        oks,
         w_ptr + rows * KW,
         s_ptr + rows * (KW // 2),
         (offs_n < H)[:, None],

@@ -30,7 +30,7 @@ import triton.language as tl
 from moeserve.kernels.configs import max_rows, tile_config
 from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block, fp8_gemv_rows
 from moeserve.kernels.moe import COMBINE_BLOCK_H, _block_slots, _moe_combine_kernel, moe_align
-from moeserve.kernels.splitk import interpreting
+from moeserve.kernels.splitk import interpreting, slot_x_rows
 
 # ----------------------------------------------------------------------------------------------
 # Torch reference
@@ -115,52 +115,12 @@ def _moe_gate_up_gemv_kernel(
     kb = tl.cdiv(H, 128)
     g_s = s_ptr + (expert.to(tl.int64) * tl.cdiv(2 * INTER, 128) + pid_n * BLOCK_N // 128) * kb
     u_s = g_s + (INTER // 128) * kb
-    x0 = x_ptr + (s0 // TOPK).to(tl.int64) * stride_xm
-    x1 = x_ptr + (s1 // TOPK).to(tl.int64) * stride_xm
-    x2 = x_ptr + (s2 // TOPK).to(tl.int64) * stride_xm
-    x3 = x_ptr + (s3 // TOPK).to(tl.int64) * stride_xm
-    ok0, ok1, ok2, ok3 = s0 < Mk, s1 < Mk, s2 < Mk, s3 < Mk
+    x_rows, oks = slot_x_rows(x_ptr, (s0, s1, s2, s3), TOPK, stride_xm, Mk)
     g0, g1, g2, g3 = fp8_gemv_rows(
-        x0,
-        x1,
-        x2,
-        x3,
-        ok0,
-        ok1,
-        ok2,
-        ok3,
-        g_rows,
-        n_ok,
-        g_s,
-        0,
-        H,
-        BLOCK_N,
-        BLOCK_K,
-        MP,
-        SCALED,
-        K_ITERS,
-        STAGES,
+        x_rows, oks, g_rows, n_ok, g_s, 0, H, BLOCK_N, BLOCK_K, MP, SCALED, K_ITERS, STAGES
     )
     u0, u1, u2, u3 = fp8_gemv_rows(
-        x0,
-        x1,
-        x2,
-        x3,
-        ok0,
-        ok1,
-        ok2,
-        ok3,
-        u_rows,
-        n_ok,
-        u_s,
-        0,
-        H,
-        BLOCK_N,
-        BLOCK_K,
-        MP,
-        SCALED,
-        K_ITERS,
-        STAGES,
+        x_rows, oks, u_rows, n_ok, u_s, 0, H, BLOCK_N, BLOCK_K, MP, SCALED, K_ITERS, STAGES
     )
     _store_act(g0, u0, s0, Mk, inter_ptr, offs_n, INTER)
     if MP > 1:
@@ -207,15 +167,10 @@ def _moe_down_gemv_kernel(
     rows = w_ptr + (expert.to(tl.int64) * H + offs_n[:, None]) * INTER
     kb = tl.cdiv(INTER, 128)
     s_row = s_ptr + (expert.to(tl.int64) * tl.cdiv(H, 128) + pid_n * BLOCK_N // 128) * kb
+    x_rows, oks = slot_x_rows(a_ptr, (s0, s1, s2, s3), 1, INTER, Mk)
     a0, a1, a2, a3 = fp8_gemv_rows(
-        a_ptr + s0.to(tl.int64) * INTER,
-        a_ptr + s1.to(tl.int64) * INTER,
-        a_ptr + s2.to(tl.int64) * INTER,
-        a_ptr + s3.to(tl.int64) * INTER,
-        s0 < Mk,
-        s1 < Mk,
-        s2 < Mk,
-        s3 < Mk,
+        x_rows,
+        oks,
         rows,
         (offs_n < H)[:, None],
         s_row,

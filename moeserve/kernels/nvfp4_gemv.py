@@ -27,7 +27,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moeserve.kernels.splitk import SplitKWorkspace, choose_split_k, interpreting, splitk_buffers
+from moeserve.kernels.splitk import (
+    SplitKWorkspace,
+    choose_split_k,
+    dense_x_rows,
+    interpreting,
+    splitk_buffers,
+)
 
 GEMV_F16_EXP = tl.constexpr(14)  # decoded f16 values are E2M1 * 2^-14
 
@@ -333,14 +339,8 @@ def _x_scales(x_rows, oks, kw_begin, K, BW: tl.constexpr, MP: tl.constexpr, K_IT
 
 @triton.jit
 def gemv_accumulate(
-    x_row0,
-    x_row1,
-    x_row2,
-    x_row3,
-    ok0,
-    ok1,
-    ok2,
-    ok3,
+    x_rows,
+    oks,
     w_rows,
     s_rows,
     n_mask,
@@ -358,8 +358,8 @@ def gemv_accumulate(
     F16: tl.constexpr = 0,
 ):
     """Partial dot products of R weight rows (pointers w_rows / s_rows [R, 1]) with up to 4 x
-    rows (row pointers x_row0..3, used while ok0..3) over K_ITERS tiles of BW words from word
-    column kw_begin. Returns four [R, BW/2] fp32 accumulators (x 2^-14; rows past MP stay 0).
+    rows (row pointers x_rows, used where oks) over K_ITERS tiles of BW words from word column
+    kw_begin. Returns four [R, BW/2] fp32 accumulators (x 2^-14; rows past MP stay 0).
     Tiles are loaded PREFETCH tiles ahead of the one being decoded (into registers: no trip
     through shared memory), so that many bytes per SM are in flight while it computes; with
     STAGES > 0 the compiler pipelines them through shared memory instead (PREFETCH unused).
@@ -369,8 +369,6 @@ def gemv_accumulate(
     of two, 16-term block sums converted to fp32; the accumulators are the same."""
     zero = tl.zeros((R, BW // 2), dtype=tl.float32)
     accs = (zero, zero, zero, zero)
-    x_rows = (x_row0, x_row1, x_row2, x_row3)
-    oks = (ok0, ok1, ok2, ok3)
     xss = (1.0, 1.0, 1.0, 1.0)
     xinvs = (1.0, 1.0, 1.0, 1.0)
     if STAGES > 0:
@@ -464,16 +462,10 @@ def _nvfp4_gemv_kernel(
     n_ok = offs_n < N
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * KW
     s_rows = s_ptr + offs_n[:, None].to(tl.int64) * (KW // 2)
-    x0 = x_ptr + row0.to(tl.int64) * stride_xm
+    x_rows, oks = dense_x_rows(x_ptr, row0, stride_xm, M)
     acc0, acc1, acc2, acc3 = gemv_accumulate(
-        x0,
-        x0 + stride_xm,
-        x0 + 2 * stride_xm,
-        x0 + 3 * stride_xm,
-        row0 < M,
-        row0 + 1 < M,
-        row0 + 2 < M,
-        row0 + 3 < M,
+        x_rows,
+        oks,
         w_rows,
         s_rows,
         n_ok[:, None],

@@ -95,3 +95,25 @@ def _splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr, mask, SPLIT_K: tl.constexpr
             tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
             tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
             tl.atomic_xchg(lock_ptr, 0)
+
+
+@triton.jit
+def dense_x_rows(x_ptr, row0, stride_xm, M):
+    """The up to 4 x rows a GEMV program serves from row row0: (row pointers, row exists)."""
+    x0 = x_ptr + row0.to(tl.int64) * stride_xm
+    rows = (x0, x0 + stride_xm, x0 + 2 * stride_xm, x0 + 3 * stride_xm)
+    return rows, (row0 < M, row0 + 1 < M, row0 + 2 < M, row0 + 3 < M)
+
+
+@triton.jit
+def slot_x_rows(x_ptr, slots, slots_per_row: tl.constexpr, stride, Mk):
+    """The x rows of a MoE block's 4 slots (row = slot // slots_per_row; padding slots are
+    Mk): (row pointers, slot is real)."""
+    s0, s1, s2, s3 = slots
+    rows = (
+        x_ptr + (s0 // slots_per_row).to(tl.int64) * stride,
+        x_ptr + (s1 // slots_per_row).to(tl.int64) * stride,
+        x_ptr + (s2 // slots_per_row).to(tl.int64) * stride,
+        x_ptr + (s3 // slots_per_row).to(tl.int64) * stride,
+    )
+    return rows, (s0 < Mk, s1 < Mk, s2 < Mk, s3 < Mk)
