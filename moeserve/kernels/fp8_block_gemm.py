@@ -78,9 +78,9 @@ from moeserve.kernels.configs import max_rows, tile_config  # noqa: E402
 from moeserve.kernels.splitk import (  # noqa: E402
     SplitKWorkspace,
     _splitk_finish,
-    choose_split_k,
     dense_x_rows,
     interpreting,
+    split_k_plan,
     splitk_buffers,
 )
 
@@ -304,9 +304,7 @@ def fp8_block_gemm(
         raise ValueError(f"BLOCK_K={bk} must divide {FP8_BLOCK}")
     grid_n, grid_m = triton.cdiv(n, bn), triton.cdiv(m, bm)
     k_tiles = triton.cdiv(k, bk)
-    split = choose_split_k(cfg["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
-    k_iters = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, k_iters)
+    split, k_iters = split_k_plan(cfg["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
     ws, locks = splitk_buffers(split, workspace, m * n, grid_n * grid_m, out)
     _fp8_block_gemm_kernel[(grid_n, split, grid_m)](
         x,
@@ -355,9 +353,7 @@ def _fp8_block_gemv(
     mp = 1 if m == 1 else 2 if m == 2 else GEMV_MAX_MP
     grid_n, grid_m = triton.cdiv(n, bn), triton.cdiv(m, mp)
     k_tiles = triton.cdiv(k, bk)
-    split = choose_split_k(cfg["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
-    k_iters = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, k_iters)
+    split, k_iters = split_k_plan(cfg["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
     ws, locks = splitk_buffers(split, workspace, grid_m * mp * n, grid_n * grid_m, out)
     _fp8_block_gemv_kernel[(grid_n, split, grid_m)](
         x,

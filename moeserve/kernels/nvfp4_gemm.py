@@ -60,8 +60,8 @@ from moeserve.kernels.splitk import (  # noqa: E402
     SCALE_BIAS_EXP,
     SplitKWorkspace,
     _splitk_finish,
-    choose_split_k,
     interpreting,
+    split_k_plan,
     splitk_buffers,
 )
 
@@ -531,9 +531,7 @@ def nvfp4_gemm(
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid_n, grid_m = triton.cdiv(n, bn), triton.cdiv(m, bm)
     k_tiles = triton.cdiv(k, bk)
-    split = choose_split_k(cfg["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
-    k_iters = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, k_iters)
+    split, k_iters = split_k_plan(cfg["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
     ws, locks = splitk_buffers(split, workspace, m * n, grid_n * grid_m, out)
     _nvfp4_gemm_kernel[(grid_n, split, grid_m)](
         x,

@@ -29,9 +29,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moeserve.kernels.splitk import (
     SplitKWorkspace,
-    choose_split_k,
     dense_x_rows,
     interpreting,
+    split_k_plan,
     splitk_buffers,
 )
 
@@ -603,9 +603,7 @@ def nvfp4_gemv(
     mp = gemv_rows_per_program(m)
     grid_n, grid_m = triton.cdiv(n, bn), triton.cdiv(m, mp)
     k_tiles = triton.cdiv(k, bk)
-    split = choose_split_k(config["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
-    k_iters = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, k_iters)
+    split, k_iters = split_k_plan(config["SPLIT_K"], grid_n * grid_m, k_tiles, x.device)
     ws, locks = splitk_buffers(split, workspace, grid_m * mp * n, grid_n * grid_m, out)
     # programmatic dependent launch: a tile-table option until measured (the interpreter
     # has no grid dependency control)

@@ -79,6 +79,13 @@ def choose_split_k(cfg_split: int, tiles: int, k_tiles: int, device: torch.devic
     return max(1, min(want, k_tiles // 2))
 
 
+def split_k_plan(cfg_split: int, tiles: int, k_tiles: int, device: torch.device) -> tuple[int, int]:
+    """(programs per output tile, K tiles each): choose_split_k's split, rounded so that no
+    program gets an empty K range."""
+    k_iters = triton.cdiv(k_tiles, choose_split_k(cfg_split, tiles, k_tiles, device))
+    return triton.cdiv(k_tiles, k_iters), k_iters
+
+
 @triton.jit
 def _splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr, mask, SPLIT_K: tl.constexpr):
     """Store acc [BLOCK_N, BLOCK_M] fp32 (already scaled) as out's dtype; with SPLIT_K > 1, add
