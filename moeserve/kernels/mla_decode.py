@@ -89,6 +89,15 @@ class MLADecodeConfig:
 
 
 DEFAULT_CONFIG = MLADecodeConfig()
+# 16 heads or fewer (the TP8 share of 128): a 64-row head block would be three-quarters
+# masked rows; 16-row blocks with 8 warps were 10-25% faster at every batch and context
+# measured (benchmarks/results/kernels_mla_heads.md).
+SMALL_HEADS_CONFIG = MLADecodeConfig(block_h=16, num_warps=8)
+
+
+def default_config(num_heads: int) -> MLADecodeConfig:
+    """The launch config used when none is given: by the (per-rank) head count."""
+    return SMALL_HEADS_CONFIG if num_heads <= SMALL_HEADS_CONFIG.block_h else DEFAULT_CONFIG
 
 
 @dataclass
@@ -135,7 +144,7 @@ def default_num_splits(
     batch: int,
     num_heads: int,
     max_context: int,
-    config: MLADecodeConfig = DEFAULT_CONFIG,
+    config: MLADecodeConfig | None = None,
     sm_count: int = _DEFAULT_SM_COUNT,
 ) -> int:
     """Splits so that batch * head_groups * vsplit * splits is at most one full wave.
@@ -146,6 +155,7 @@ def default_num_splits(
     Depends only on static sizes (``max_context`` = block_tables capacity), so it is the
     same for every replay of a captured graph.
     """
+    config = config or default_config(num_heads)
     head_groups = triton.cdiv(num_heads, config.block_h)
     programs = batch * head_groups * config.vsplit
     want = max(1, (config.ctas_per_sm * sm_count) // programs)
@@ -445,17 +455,19 @@ def mla_decode(
     kv_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     workspace: MLADecodeWorkspace | None = None,
-    config: MLADecodeConfig = DEFAULT_CONFIG,
+    config: MLADecodeConfig | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode attention; writes ``out [B, H, 512]`` and returns it.
 
-    ``num_splits`` defaults to :func:`default_num_splits` of the static sizes. ``kv_scale``
+    ``num_splits`` defaults to :func:`default_num_splits` of the static sizes and ``config``
+    to :func:`default_config` of the head count. ``kv_scale``
     is required for (and only used with) a float8_e4m3fn cache. See the module docstring
     for layouts and CUDA-graph use of ``workspace``.
     """
     _check_inputs(q, kv_cache, block_tables, seq_lens, out, kv_scale)
     batch, heads = q.shape[0], q.shape[1]
     page_size = kv_cache.shape[1]
+    config = config or default_config(heads)
     if num_splits is None:
         max_context = block_tables.shape[1] * page_size
         num_splits = default_num_splits(batch, heads, max_context, config, _sm_count(q.device))

@@ -166,3 +166,18 @@ def test_register_prefetch_variant(vsplit, page_size, dtype):
     out, ref = _run_both(q, cache, bt, seq, kv_scale, 3, cfg)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_default_config_follows_the_head_count():
+    # the TP8 share (16 heads) or fewer takes 16-row head blocks, more heads 64-row ones; the
+    # split heuristic sizes its grid with the same config
+    assert mla_decode_mod.default_config(16).block_h == 16
+    assert mla_decode_mod.default_config(8) == mla_decode_mod.SMALL_HEADS_CONFIG
+    assert mla_decode_mod.default_config(17) == mla_decode_mod.DEFAULT_CONFIG
+    assert mla_decode_mod.default_num_splits(1, 16, 4096, sm_count=132) == 32  # 132 // 1 group
+    assert mla_decode_mod.default_num_splits(1, 128, 4096, sm_count=132) == 32  # 4096 / 128
+    assert mla_decode_mod.default_num_splits(4, 16, 1 << 20, sm_count=132) == 33
+    assert mla_decode_mod.default_num_splits(4, 128, 1 << 20, sm_count=132) == 16
+    q, cache, bt, seq, kv_scale = make_case([70, 9], 8, 64, torch.bfloat16, seed=11)
+    out, ref = _run_both(q, cache, bt, seq, kv_scale, None, None)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)

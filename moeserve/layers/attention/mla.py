@@ -17,11 +17,13 @@ they are one GEMM (`fused_qkv_a_proj`, shard 0 = q_a, 1 = kv_a; checkpoint names
 
 Two execution paths:
 - kernels (CUDA, published 512 + 64 layout; `_forward_kernels`): fused a-GEMM -> both
-  a-norms in one launch (in place) -> q_b_proj -> W_UK batched GEMM into the absorbed query
+  a-norms in one launch (in place) -> q_b_proj -> W_UK product into the absorbed query
   [T, H, 576] -> one launch that ropes q_pe (into that query) and k_pe and writes the cache ->
   the leading single-token sequences through the split-KV decode kernel, the rest (prefill
-  chunks over their cached context) through the prefill kernel -> W_UV batched GEMM. Strided
-  views instead of copies throughout; no host syncs (CUDA-graph capturable).
+  chunks over their cached context) through the prefill kernel -> W_UV product. The two
+  products read kv_b_proj as stored (block-FP8 or 16-bit, kernels/mla_absorb.py) for
+  decode-sized batches, else run as bmm on its dense weight. Strided views instead of
+  copies throughout; no host syncs (CUDA-graph capturable).
 - torch (CPU, other shapes): expanded form per sequence for prefill, absorbed for decode.
 """
 
@@ -45,8 +47,14 @@ from moeserve.layers.linear import (
     RowParallelLinear,
 )
 from moeserve.layers.norm import RMSNorm, use_norm_kernels
-from moeserve.layers.quant.base import NoQuant, QuantConfig, make_param, materialize
-from moeserve.layers.quant.scheme import dense_weight, gpu_kernels_enabled
+from moeserve.layers.quant.base import (
+    NoQuant,
+    QuantConfig,
+    UnquantizedLinearMethod,
+    make_param,
+    materialize,
+)
+from moeserve.layers.quant.scheme import SchemeLinearMethod, dense_weight, gpu_kernels_enabled
 from moeserve.layers.rotary import RotaryEmbedding, yarn_mscale
 
 if TYPE_CHECKING:
@@ -208,6 +216,9 @@ class MLAAttention(nn.Module):
         # set by prepare_cuda_graph (GPU kernels only); plain attributes, not state
         self._decode_scratch: MLADecodeScratch | None = None
         self._w_absorb: torch.Tensor | None = None
+        # kv_b_proj's stored (weight, block scale or None) for the absorbed-product kernels;
+        # chosen at the first kernel-path call (False: they cannot read this format)
+        self._absorb_stored: tuple[torch.Tensor, torch.Tensor | None] | bool | None = None
         # None: the Triton kernels serve supported GPUs; True forces them (tests run them
         # under the Triton interpreter on a CPU), False forbids them
         self.use_kernels: bool | None = None
@@ -312,6 +323,46 @@ class MLAAttention(nn.Module):
         w = w.view(self.num_heads, self.nope + self.v_dim, -1)
         return w[:, : self.nope], w[:, self.nope :]
 
+    def _stored_absorb_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """kv_b_proj as stored, when the absorbed-product kernels (kernels/mla_absorb.py) read
+        that format: block-FP8 with 128x128 scales or 16-bit. Decided once per layer."""
+        if self._absorb_stored is None:
+            from moeserve.kernels.mla_absorb import check_absorb_weight
+
+            self._absorb_stored = False
+            layer = self.kv_b_proj
+            method = layer.method
+            stored: tuple[torch.Tensor, torch.Tensor | None] | None = None
+            if isinstance(method, SchemeLinearMethod):
+                stored = method.scheme.elementwise_view(
+                    {s: getattr(layer, s) for s in layer.scheme_suffixes}
+                )
+            elif isinstance(method, UnquantizedLinearMethod):
+                stored = (layer.weight, None)
+            if stored is not None:
+                try:
+                    check_absorb_weight(*stored, self.num_heads, self.nope, self.v_dim)
+                    self._absorb_stored = stored
+                except ValueError as e:
+                    log.info("MLA: absorbed products through bmm (%s)", e)
+        return self._absorb_stored or None
+
+    def _absorb(self, x: torch.Tensor, out: torch.Tensor, mode: str) -> None:
+        """out = the absorbed product `mode` ("uk": q_nope @ W_UK, "uv": o_lat @ W_UV^T) of
+        x [T, h, *]: the kernel on the stored weight for decode-sized T, else bmm on the
+        dense weight."""
+        from moeserve.kernels.mla_absorb import absorb_gemv, absorb_max_rows
+
+        stored = self._stored_absorb_weight()
+        if stored is not None and x.shape[0] <= absorb_max_rows(mode, stored[0], self.num_heads):
+            absorb_gemv(x, *stored, out, mode, self.nope)
+            return
+        w_uk, w_uv = self._absorb_weights(x.dtype)
+        if mode == "uk":
+            torch.bmm(x.transpose(0, 1), w_uk, out=out.transpose(0, 1))
+        else:
+            torch.bmm(x.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+
     # ---- compute -------------------------------------------------------------------------------
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
@@ -365,10 +416,9 @@ class MLAAttention(nn.Module):
         from moeserve.kernels.mla_prefill import mla_prefill
 
         tokens, heads, lat = q.shape[0], self.num_heads, self.kv_lora
-        w_uk, w_uv = self._absorb_weights(q.dtype)
         # absorbed query [T, h, L + R]: q_nope @ W_UK straight into its first L columns ...
         q_abs = q.new_empty(tokens, heads, lat + self.rope)
-        torch.bmm(q[..., : self.nope].transpose(0, 1), w_uk, out=q_abs[..., :lat].transpose(0, 1))
+        self._absorb(q[..., : self.nope], q_abs[..., :lat], "uk")
         # ... roped q_pe into the last R, in the launch that ropes k_pe and writes the cache
         rot = self.rotary[0]
         kv_scale = self.kv_scale if self.kv_cache.dtype == torch.float8_e4m3fn else None
@@ -404,7 +454,7 @@ class MLAAttention(nn.Module):
                 max_q_len=md.max_prefill_query_len,
             )
         o = q.new_empty(tokens, heads, self.v_dim)
-        torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        self._absorb(o_lat, o, "uv")
         return o
 
     def _forward_torch(

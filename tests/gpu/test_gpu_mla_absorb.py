@@ -1,0 +1,70 @@
+"""The absorbed MLA products on kv_b_proj's stored weight (kernels/mla_absorb.py) on a GPU, at
+the published shapes (128 or 16 heads, nope = v = 128, kv_lora 512), against per-head fp32
+matmuls on the dequantized weight, for every row count the tables serve and in a CUDA graph.
+
+    python3 -m pytest -q tests/gpu/test_gpu_mla_absorb.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.kernels import mla_absorb as ma
+from moeserve.kernels.fp8_block_gemm import dequantize_fp8_block, quantize_fp8_block
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DEV = "cuda"
+NOPE, ROPE, V, LAT = 128, 64, 128, 512
+
+
+def _kv_b(heads: int, fp8: bool, seed: int):
+    gen = torch.Generator(DEV).manual_seed(seed)
+    w = torch.randn(heads * (NOPE + V), LAT, device=DEV, generator=gen) * 0.05
+    if not fp8:
+        w = w.bfloat16()
+        return w, None, w.float().view(heads, NOPE + V, LAT)
+    q, s = quantize_fp8_block(w)
+    s = s * (0.5 + torch.rand(s.shape, device=DEV, generator=gen))
+    return q, s, dequantize_fp8_block(q, s, torch.float32).view(heads, NOPE + V, LAT)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_absorbed_products_match_per_head_matmuls(heads, fp8):
+    w, s, dense = _kv_b(heads, fp8, seed=heads)
+    ma.check_absorb_weight(w, s, heads, NOPE, V)
+    top = max(ma.absorb_max_rows("uk", w, heads), ma.absorb_max_rows("uv", w, heads))
+    for tokens in sorted({1, 2, 3, 4, 5, 9, top}):
+        gen = torch.Generator(DEV).manual_seed(tokens)
+        q = torch.randn(tokens, heads, NOPE + ROPE, device=DEV, generator=gen).bfloat16()
+        q_abs = torch.full((tokens, heads, LAT + ROPE), float("nan"), device=DEV).bfloat16()
+        ma.absorb_gemv(q[..., :NOPE], w, s, q_abs[..., :LAT], "uk", NOPE)
+        _close(
+            q_abs[..., :LAT], torch.einsum("thd,hdl->thl", q[..., :NOPE].float(), dense[:, :NOPE])
+        )
+        assert torch.isnan(q_abs[..., LAT:].float()).all()
+        o_lat = torch.randn(tokens, heads, LAT, device=DEV, generator=gen).bfloat16()
+        o = torch.empty(tokens, heads, V, device=DEV, dtype=torch.bfloat16)
+        ma.absorb_gemv(o_lat, w, s, o, "uv", NOPE)
+        _close(o, torch.einsum("thl,hjl->thj", o_lat.float(), dense[:, NOPE:]))
+
+
+def test_graph_replay_reads_new_inputs():
+    heads, tokens = 128, 4
+    w, s, dense = _kv_b(heads, True, seed=5)
+    x = torch.zeros(tokens, heads, NOPE, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty(tokens, heads, LAT, device=DEV, dtype=torch.bfloat16)
+    ma.absorb_gemv(x, w, s, out, "uk", NOPE)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ma.absorb_gemv(x, w, s, out, "uk", NOPE)
+    for seed in (1, 2):
+        x.copy_(torch.randn(x.shape, device=DEV, generator=torch.Generator(DEV).manual_seed(seed)))
+        g.replay()
+        _close(out, torch.einsum("thd,hdl->thl", x.float(), dense[:, :NOPE]))
