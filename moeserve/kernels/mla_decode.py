@@ -58,10 +58,15 @@ FP8_E4M3_MAX = 448.0
 _DEFAULT_SM_COUNT = 132
 # Each split should still stream enough KV to amortise its partial write and merge.
 _MIN_TOKENS_PER_SPLIT = 128
-# The merge reads CHUNK partials of D_BLOCK values at a time (bounded registers for any
-# split count); D_BLOCK also multiplies its grid, which matters at batch 1.
-_MERGE_CHUNK = 16
-_MERGE_D_BLOCK = 128
+# The merge grid is (batch, head blocks, value blocks). Its programs are tiny, and past a
+# few hundred of them the launch itself costs ~5 ns per program (H200: 4096 programs took
+# 22 us, 16384 took 82 us, linear in the count whatever the split count;
+# benchmarks/results/kernels_mla_heads.md), so blocks grow until at most this many remain;
+# 128-value blocks of one head keep batch 1 spread over the SMs.
+_MERGE_MAX_PROGRAMS = 512
+_MERGE_MIN_D_BLOCK = 128
+_MERGE_MAX_HEADS_BLOCK = 8
+_MERGE_STAGES = 3  # partials of this many splits in flight per program
 # Upper bound of num_splits: the merge keeps all split lse values of a head in registers.
 MAX_SPLITS = 1024
 
@@ -373,6 +378,7 @@ def _mla_decode_merge_kernel(
     pl_ptr,
     out_ptr,
     num_splits,
+    num_heads,
     stride_pob,
     stride_poh,
     stride_pos,
@@ -381,37 +387,51 @@ def _mla_decode_merge_kernel(
     stride_ob,
     stride_oh,
     SPLITS_P2: tl.constexpr,
-    CHUNK: tl.constexpr,
+    HEADS_BLOCK: tl.constexpr,
     D_BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """out[b, h, dblk] = sum_s w_s * partial_s / sum_s w_s with w_s = 2^(lse_s - max lse)."""
+    """out[b, h, d] = sum_s w_s * partial_s / sum_s w_s, w_s = 2^(lse_s - max lse), for
+    HEADS_BLOCK heads x D_BLOCK values per program."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    dblk = tl.program_id(2)
-    pl = pl_ptr + b.to(tl.int64) * stride_plb + h * stride_plh
+    offs_h = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
+    h_ok = offs_h[:, None] < num_heads
+    pl = pl_ptr + b.to(tl.int64) * stride_plb + offs_h[:, None] * stride_plh  # [HB, 1]
     offs_all = tl.arange(0, SPLITS_P2)
-    lse_all = tl.load(pl + offs_all, mask=offs_all < num_splits, other=float("-inf"))
-    m = tl.max(lse_all, axis=0)
+    lse_all = tl.load(
+        pl + offs_all[None, :], mask=h_ok & (offs_all[None, :] < num_splits), other=float("-inf")
+    )
+    m = tl.max(lse_all, axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
-    denom = tl.sum(tl.where(lse_all > float("-inf"), tl.exp2(lse_all - m), 0.0), axis=0)
+    denom = tl.sum(tl.where(lse_all > float("-inf"), tl.exp2(lse_all - m[:, None]), 0.0), axis=1)
 
-    offs_d = dblk * D_BLOCK + tl.arange(0, D_BLOCK)
-    po = po_ptr + b.to(tl.int64) * stride_pob + h * stride_poh
-    acc = tl.zeros([D_BLOCK], tl.float32)
-    for c in range(0, tl.cdiv(num_splits, CHUNK)):
-        offs_s = c * CHUNK + tl.arange(0, CHUNK)
-        lse = tl.load(pl + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-        w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
+    offs_d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
+    po = po_ptr + b.to(tl.int64) * stride_pob + offs_h[:, None] * stride_poh + offs_d[None, :]
+    acc = tl.zeros([HEADS_BLOCK, D_BLOCK], tl.float32)
+    for s in tl.range(0, num_splits, num_stages=STAGES):
+        lse = tl.load(pl + s, mask=h_ok, other=float("-inf"))  # [HB, 1]
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - m[:, None]), 0.0)
         # Empty splits are not read: their slots may hold stale data from another call.
-        parts = tl.load(
-            po + offs_s[:, None] * stride_pos + offs_d[None, :],
-            mask=(w > 0.0)[:, None],
-            other=0.0,
-        )
-        acc += tl.sum(parts.to(tl.float32) * w[:, None], axis=0)
-    o = acc / tl.where(denom > 0.0, denom, 1.0)
-    out = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh
-    tl.store(out + offs_d, o.to(out_ptr.dtype.element_ty))
+        part = tl.load(po + s * stride_pos, mask=w > 0.0, other=0.0)
+        acc += part.to(tl.float32) * w
+    o = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    out = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+def merge_blocks(batch: int, num_heads: int) -> tuple[int, int]:
+    """(heads, values) per merge program: 1 x 128 grown (values first, to all 512, then
+    heads) until the grid has at most _MERGE_MAX_PROGRAMS programs."""
+    heads_block, d_block = 1, _MERGE_MIN_D_BLOCK
+
+    def programs() -> int:
+        return batch * triton.cdiv(num_heads, heads_block) * (KV_LORA_RANK // d_block)
+
+    while programs() > _MERGE_MAX_PROGRAMS and d_block < KV_LORA_RANK:
+        d_block *= 2
+    while programs() > _MERGE_MAX_PROGRAMS and heads_block < _MERGE_MAX_HEADS_BLOCK:
+        heads_block *= 2
+    return heads_block, d_block
 
 
 def _check_inputs(
@@ -530,11 +550,13 @@ def mla_decode(
         num_stages=config.num_stages,
     )
     if not direct:
-        _mla_decode_merge_kernel[(batch, heads, KV_LORA_RANK // _MERGE_D_BLOCK)](
+        hb, db = merge_blocks(batch, heads)
+        _mla_decode_merge_kernel[(batch, triton.cdiv(heads, hb), KV_LORA_RANK // db)](
             po,
             pl,
             out,
             num_splits,
+            heads,
             po.stride(0),
             po.stride(1),
             po.stride(2),
@@ -543,8 +565,9 @@ def mla_decode(
             out.stride(0),
             out.stride(1),
             SPLITS_P2=triton.next_power_of_2(num_splits),
-            CHUNK=_MERGE_CHUNK,
-            D_BLOCK=_MERGE_D_BLOCK,
+            HEADS_BLOCK=hb,
+            D_BLOCK=db,
+            STAGES=_MERGE_STAGES,
             num_warps=4,
         )
     return out

@@ -181,3 +181,28 @@ def test_default_config_follows_the_head_count():
     q, cache, bt, seq, kv_scale = make_case([70, 9], 8, 64, torch.bfloat16, seed=11)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, None, None)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_merge_blocks_bound_the_merge_grid():
+    mb = mla_decode_mod.merge_blocks
+    assert mb(1, 128) == (1, 128)  # 512 programs: one head, a quarter of the values each
+    assert mb(2, 128) == (1, 256)
+    assert mb(8, 128) == (2, 512)
+    assert mb(16, 128) == (4, 512)
+    assert mb(64, 128) == (8, 512)  # capped: 1024 programs
+    assert mb(1, 16) == (1, 128)
+
+
+def test_merge_of_head_blocks_with_a_ragged_last_block():
+    # 26 sequences x 21 heads: the merge takes 2 heads x 512 values per program, the last
+    # head block half masked; stale (NaN) slots of empty splits must not be read.
+    assert mla_decode_mod.merge_blocks(26, 21) == (2, 512)
+    gen = torch.Generator().manual_seed(3)
+    lens = torch.randint(1, 40, (26,), generator=gen).tolist()
+    q, cache, bt, seq, kv_scale = make_case(lens, 21, 16, torch.bfloat16, seed=13)
+    ws = mla_decode_mod.MLADecodeWorkspace.allocate(26, 21, 3, "cpu")
+    ws.partial_out.fill_(float("nan"))
+    out = torch.full((26, 21, 512), float("nan"), dtype=torch.bfloat16)
+    mla_decode_mod.mla_decode(q, cache, bt, seq, 0.1352, out, None, 3, ws, SMALL)
+    ref = mla_decode_mod.mla_decode_ref(q, cache, bt, seq, 0.1352, torch.empty(26, 21, 512))
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
