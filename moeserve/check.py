@@ -198,7 +198,8 @@ def _group(component: str) -> str:
 
 def _quantizable_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str, bool]]:
     """(module name, stored quantized?) for every linear and expert bank of the model, and
-    the LM head (always BF16 here)."""
+    the LM head (always BF16 here). Shared experts that run as slots of the expert banks are
+    listed by their checkpoint linears all the same: this describes the checkpoint."""
     out: list[tuple[str, bool]] = []
     for name, m in model.named_modules():
         method = getattr(m, "method", None)
@@ -206,6 +207,13 @@ def _quantizable_modules(model: nn.Module, quant: QuantConfig) -> list[tuple[str
             out.append((name, not isinstance(method, UnquantizedLinearMethod)))
         elif name.endswith(".mlp.experts"):
             out.append((name, quant.moe_method(name) is not None))
+            if getattr(getattr(m, "layout", None), "num_shared", 0):
+                shared = name.removesuffix("experts") + "shared_experts"
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    linear = quant.linear_method(f"{shared}.{proj}")
+                    out.append(
+                        (f"{shared}.{proj}", not isinstance(linear, UnquantizedLinearMethod))
+                    )
         elif name == "lm_head" or name.endswith(".mlp.gate"):
             out.append((name, False))  # the LM head and the router are kept in float here
     return out
@@ -421,8 +429,14 @@ class _LoadSimulation:
             parts = getattr(owner, "parts", 1)
             want = {(e, part) for e in range(p.shape[0]) for part in range(parts)}
             lacking = sorted(want - set(experts))
-            if lacking:
-                out.append(f"{pname} (experts {_ranges(e for e, _ in lacking)})")
+            routed = owner.layout.num_experts  # later slots: the shared experts (moe.py)
+            if any(e < routed for e, _ in lacking):
+                ids = _ranges(e for e, _ in lacking if e < routed)
+                out.append(f"{pname} (experts {ids})")
+            if any(e >= routed for e, _ in lacking):
+                shared = pname.split(".mlp.experts.")[0] + ".mlp.shared_experts"
+                ids = _ranges(e for e, _ in lacking if e >= routed)
+                out.append(f"{shared} (held as {pname} experts {ids})")
         return out
 
 

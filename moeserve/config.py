@@ -107,6 +107,10 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     # where the text model's weights live inside the checkpoint ("" or "language_model.")
     weight_prefix: str = ""
+    # serving layout, not architecture: shared experts run as extra slots of the routed
+    # experts' fused kernel where their format allows (layers/moe.py shared_expert_slots);
+    # False keeps them a separate MLP (tests compare the two)
+    shared_experts_as_slots: bool = True
 
     # ---- derived -------------------------------------------------------------------------
     @property

@@ -466,13 +466,23 @@ def meta_model(
 
 
 def rank_weights(model: nn.Module) -> RankWeights:
+    from moeserve.layers.moe import RoutedExperts
+
     parts = dict.fromkeys(WEIGHT_PARTS, 0)
     experts = 0
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     for name, t in tensors:
         parts[_part(name)] += t.numel() * t.element_size()
-        if ".mlp.experts." in name and not experts:
-            experts = t.shape[0]
+    for m in model.modules():
+        if not isinstance(m, RoutedExperts):
+            continue
+        layout = m.layout
+        experts = experts or layout.num_local
+        if layout.num_shared:  # shared experts as bank slots: every slot has the same bytes
+            bank = sum(p.numel() * p.element_size() for p in m.parameters())
+            shared = bank // layout.num_slots * layout.num_shared
+            parts["routed experts"] -= shared
+            parts["shared experts"] += shared
     return RankWeights(parts, experts)
 
 

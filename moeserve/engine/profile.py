@@ -38,8 +38,8 @@ COMPONENTS = (
     "attention GEMMs",
     "MLA decode",
     "router",
-    "MoE experts",
-    "shared expert",
+    "MoE experts",  # with shared experts run as slots of the banks (layers/moe.py), theirs too
+    "shared expert",  # a separate shared-expert MLP
     "dense MLP",
     "norms",
     "all-reduce",

@@ -16,9 +16,14 @@ Ties (equal choice values, or equal group scores) go to the LOWER expert (group)
 both the kernel and ``route_ref``; ids are listed best first. ``select_experts`` (torch.topk)
 leaves tie order unspecified, so the two agree as sets wherever there are no exact ties.
 
+Shared experts as slots (``shared_slots`` S > 0, see ``moeserve.layers.moe``): each token's
+row gets S more columns after its top_k, ids ``shared_first_id + j`` (default E: the slots
+after the routed experts) and weight exactly 1.0 (no renormalising, no routed_scaling_factor),
+written by the same launch.
+
 Layouts: ``logits [T, E]`` float (fp32 from the gate GEMV; last dim contiguous), ``bias
-[E]`` or None, outputs ``weights [T, k]`` fp32 and ``ids [T, k]`` int32 (preallocated ones
-may be passed). One program per token holds its whole row (E up to 1024) in registers;
+[E]`` or None, outputs ``weights [T, k + S]`` fp32 and ``ids [T, k + S]`` int32 (preallocated
+ones may be passed). One program per token holds its whole row (E up to 1024) in registers;
 every top-k step is one argmax reduction. The launch depends only on shapes: CUDA-graph
 capturable.
 """
@@ -58,6 +63,7 @@ def _route_kernel(
     stride_it,
     group_size,
     scale,
+    shared_first_id,
     N_GROUP: tl.constexpr,
     NG_P2: tl.constexpr,
     GS_P2: tl.constexpr,
@@ -69,6 +75,8 @@ def _route_kernel(
     GROUP_TOP2: tl.constexpr,
     RENORM: tl.constexpr,
     RENORM_EPS: tl.constexpr,
+    SHARED: tl.constexpr,
+    S_P2: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     row = logits_ptr + t * stride_lt
@@ -127,6 +135,12 @@ def _route_kernel(
     tl.store(w_ptr + t * stride_wt + kk, w, mask=kmask)
     tl.store(ids_ptr + t * stride_it + kk, ids, mask=kmask)
 
+    if SHARED > 0:  # shared experts as slots: columns TOP_K.., weight 1 for every token
+        ss = tl.arange(0, S_P2)
+        smask = ss < SHARED
+        tl.store(w_ptr + t * stride_wt + TOP_K + ss, tl.full([S_P2], 1.0, tl.float32), mask=smask)
+        tl.store(ids_ptr + t * stride_it + TOP_K + ss, shared_first_id + ss, mask=smask)
+
 
 def _weight_rule(
     topk_method: str, top_k: int, norm_topk_prob: bool, routed_scaling_factor: float
@@ -147,6 +161,7 @@ def _check(
     topk_group: int,
     scoring_func: str,
     topk_method: str,
+    shared_slots: int = 0,
 ) -> tuple[int, int]:
     if logits.dim() != 2 or not logits.is_floating_point() or logits.stride(-1) != 1:
         raise ValueError("logits must be a float [T, E] tensor with a contiguous last dim")
@@ -157,6 +172,8 @@ def _check(
         raise ValueError(f"unsupported scoring_func {scoring_func!r}")
     if topk_method not in TOPK_METHODS:
         raise ValueError(f"unsupported topk_method {topk_method!r}")
+    if shared_slots < 0:
+        raise ValueError(f"shared_slots must be >= 0, got {shared_slots}")
     if bias is not None and (bias.shape != (experts,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous [{experts}] vector")
     grouped = n_group > 1 and topk_method != "greedy"
@@ -193,19 +210,26 @@ def route(
     norm_topk_prob: bool = True,
     routed_scaling_factor: float = 1.0,
     topk_method: str = "noaux_tc",
+    shared_slots: int = 0,
+    shared_first_id: int | None = None,
     out_weights: torch.Tensor | None = None,
     out_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights fp32 [T, top_k], expert ids int32 [T, top_k]) in one
-    launch (see the module docstring). On a CPU without the Triton interpreter it runs
-    ``route_ref``."""
-    tokens, experts = _check(logits, bias, top_k, n_group, topk_group, scoring_func, topk_method)
+    """Router logits [T, E] -> (weights fp32 [T, top_k + S], expert ids int32 [T, top_k + S])
+    in one launch, S = `shared_slots` columns of shared experts (ids `shared_first_id` + j,
+    default E; weight 1) after the top_k (see the module docstring). On a CPU without the
+    Triton interpreter it runs ``route_ref``."""
+    tokens, experts = _check(
+        logits, bias, top_k, n_group, topk_group, scoring_func, topk_method, shared_slots
+    )
+    first_shared = experts if shared_first_id is None else shared_first_id
+    width = top_k + shared_slots
     if out_weights is None:
-        out_weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+        out_weights = torch.empty(tokens, width, dtype=torch.float32, device=logits.device)
     if out_ids is None:
-        out_ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
-    _check_out(out_weights, "out_weights", (tokens, top_k), torch.float32)
-    _check_out(out_ids, "out_ids", (tokens, top_k), torch.int32)
+        out_ids = torch.empty(tokens, width, dtype=torch.int32, device=logits.device)
+    _check_out(out_weights, "out_weights", (tokens, width), torch.float32)
+    _check_out(out_ids, "out_ids", (tokens, width), torch.int32)
     kw = dict(
         n_group=n_group,
         topk_group=topk_group,
@@ -215,7 +239,9 @@ def route(
         topk_method=topk_method,
     )
     if not logits.is_cuda and not _interpreting():
-        w, i = route_ref(logits, bias, top_k, **kw)
+        w, i = route_ref(
+            logits, bias, top_k, shared_slots=shared_slots, shared_first_id=first_shared, **kw
+        )
         out_weights.copy_(w)
         out_ids.copy_(i)
         return out_weights, out_ids
@@ -236,6 +262,7 @@ def route(
         out_ids.stride(0),
         experts // groups,
         float(scale),
+        first_shared,
         N_GROUP=groups,
         NG_P2=ng_p2,
         GS_P2=gs_p2,
@@ -247,6 +274,8 @@ def route(
         GROUP_TOP2=topk_method == "noaux_tc",
         RENORM=renorm,
         RENORM_EPS=_RENORM_EPS,
+        SHARED=shared_slots,
+        S_P2=triton.next_power_of_2(max(shared_slots, 1)),
         # one warp per token up to 512 experts: the reductions stay within warp shuffles
         num_warps=max(1, ng_p2 * gs_p2 // 512),
     )
@@ -264,10 +293,12 @@ def route_ref(
     norm_topk_prob: bool = True,
     routed_scaling_factor: float = 1.0,
     topk_method: str = "noaux_tc",
+    shared_slots: int = 0,
+    shared_first_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch reference of :func:`route` with the same tie rule (stable sorts: among equals
-    the lower index first)."""
-    _check(logits, bias, top_k, n_group, topk_group, scoring_func, topk_method)
+    the lower index first), shared-slot columns included."""
+    _check(logits, bias, top_k, n_group, topk_group, scoring_func, topk_method, shared_slots)
     x = logits.float()
     scores = x.sigmoid() if scoring_func == "sigmoid" else x.softmax(dim=-1)
     choice = scores if bias is None else scores + bias.float()
@@ -289,4 +320,10 @@ def route_ref(
     renorm, scale = _weight_rule(topk_method, top_k, norm_topk_prob, routed_scaling_factor)
     if renorm:
         weights = weights / (weights.sum(-1, keepdim=True) + _RENORM_EPS)
-    return weights * scale, ids.to(torch.int32)
+    weights, ids = weights * scale, ids.to(torch.int32)
+    if shared_slots:
+        first = experts if shared_first_id is None else shared_first_id
+        shared = torch.arange(first, first + shared_slots, dtype=torch.int32)
+        weights = torch.cat([weights, weights.new_ones(tokens, shared_slots)], 1)
+        ids = torch.cat([ids, shared.to(ids.device).expand(tokens, shared_slots)], 1)
+    return weights, ids

@@ -1,11 +1,18 @@
 """Mixture-of-experts block of DeepSeek-V3 / Kimi: router, routed experts, shared experts.
 
 Routed experts live in two stacked banks, `w13` (gate rows then up rows) and `w2` (down),
-each [E_local, out, in] in whatever format the checkpoint uses (a `WeightScheme` from
+each [E_local + S, out, in] in whatever format the checkpoint uses (a `WeightScheme` from
 `layers/quant`): the layout the fused GPU kernel reads, loaded in place. Checkpoint tensors
 `...experts.{e}.{gate,up,down}_proj.{suffix}` load into their expert's rows through shard ids
 (expert, part); transformers-5 stacked tensors (`experts.gate_up_proj` [E, 2I, H], gate rows
 first, and `experts.down_proj` [E, H, I]) load with expert None.
+
+Shared experts as slots (`shared_expert_slots`): where the S = n_shared_experts shared
+experts have a routed expert's shape and stored format (DeepSeek-V3 block-FP8), they are
+experts E .. E+S-1 of the banks (local slots E_local .. E_local+S-1) and every token's
+routing gets S more columns (id E + j, weight 1.0): the fused kernel runs them with the
+routed experts, no separate MLP. Elsewhere (Kimi-K2.5 NVFP4 keeps its shared expert in BF16;
+expert parallelism) they stay a separate `DeepseekMLP` whose output the kernel adds.
 
 Tensor parallelism splits every expert's intermediate dimension (gate/up rows, down
 columns); expert parallelism (`TPGroup.expert_parallel`) gives each rank E/N whole experts
@@ -30,7 +37,9 @@ from moeserve.config import ModelConfig
 from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from moeserve.layers.quant.base import (
+    NoQuant,
     QuantConfig,
+    UnquantizedLinearMethod,
     check_block_split,
     copy_loader,
     make_param,
@@ -42,6 +51,14 @@ log = logging.getLogger(__name__)
 
 # group score of noaux_tc routing = sum of the best this many biased scores in the group
 _NOAUX_GROUP_TOP = 2
+# Batches in which the fused GPU kernels run shared slots with the routed experts (else the
+# shared experts are dense GEMMs on their bank rows, added in the combine). The MoE GEMV
+# schedules serve a few slots of one expert per weight pass, so a shared expert, which every
+# token hits, is re-read ~T/2 times: slots saved 2-14 us per DeepSeek-V3 FP8 layer at 1-4
+# tokens, lost 15-141 us at 8-32, were even at 64 and saved 155 us at 128 (tensor-core
+# schedule) on an H200 (benchmarks/results/moe_shared_slots.md).
+SLOTS_MAX_GEMV_TOKENS = 4
+SLOTS_MIN_MMA_TOKENS = 64
 
 
 # ---- routing --------------------------------------------------------------------------------
@@ -98,6 +115,20 @@ def select_experts(
     return weights, ids
 
 
+def append_shared_slots(
+    weights: torch.Tensor, ids: torch.Tensor, first_id: int, slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], ids [T, k]) -> [T, k + slots]: every token also goes to experts
+    first_id .. first_id + slots - 1 with weight 1 (shared experts as slots; CPU path, the GPU
+    route kernel writes these columns itself)."""
+    t = weights.shape[0]
+    shared_ids = torch.arange(first_id, first_id + slots, dtype=ids.dtype, device=ids.device)
+    return (
+        torch.cat([weights, weights.new_ones(t, slots)], 1),
+        torch.cat([ids, shared_ids.expand(t, slots)], 1),
+    )
+
+
 # ---- dense MLP (leading dense layers, shared experts) ---------------------------------------
 class DeepseekMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
@@ -139,8 +170,9 @@ class ExpertBank(nn.Module):
     rows then up rows: parts 0 and 1) or `w2` (down: one part).
 
     Storage per tensor of the weight scheme, for parts of [out, in] each: a tensor split
-    along outputs is stacked as [E_local, parts * rows, ...] (each part's rows contiguous);
-    a per-weight scalar (a global scale) as [E_local, parts, ...]. The checkpoint's
+    along outputs is stacked as [slots, parts * rows, ...] (each part's rows contiguous);
+    a per-weight scalar (a global scale) as [slots, parts, ...], slots = E_local routed
+    experts then the shared-expert slots (`ExpertLayout.num_slots`). The checkpoint's
     per-expert tensors load straight into their rows (`weight_loader` with shard id
     (expert, part)); nothing is concatenated or copied after loading.
     """
@@ -170,9 +202,9 @@ class ExpertBank(nn.Module):
             if split == "in" and s.in_dim is not None:
                 check_block_split("routed experts", self.local_in, s.in_block, tp.size)
             if s.out_dim is None:
-                shape = (layout.num_local, parts, *s.shape)
+                shape = (layout.num_slots, parts, *s.shape)
             else:
-                shape = (layout.num_local, parts * s.shape[0], *s.shape[1:])
+                shape = (layout.num_slots, parts * s.shape[0], *s.shape[1:])
             p = make_param(torch.zeros(shape, dtype=s.dtype), None, None)
             p.optional = s.optional
             p.weight_loader = self.weight_loader
@@ -182,9 +214,10 @@ class ExpertBank(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, w: torch.Tensor, shard: ExpertShard = (None, 0)
     ) -> None:
-        """Expert `shard[0]`'s part `shard[1]` from a per-expert checkpoint tensor, or, with
-        expert None, that part of every expert from a stacked [E, ...] one. Experts this rank
-        does not hold are skipped without reading the tensor."""
+        """Expert `shard[0]`'s part `shard[1]` from a per-expert checkpoint tensor (a global
+        id; E + j: shared slot j), or, with expert None, that part of every routed expert from
+        a stacked [E, ...] one. Experts this rank does not hold are skipped without reading
+        the tensor."""
         expert, part = shard
         if expert is None:
             first, count = self.layout.first, self.layout.num_local
@@ -194,6 +227,24 @@ class ExpertBank(nn.Module):
         local = self.layout.local_index(expert)
         if local is not None:
             self._load_one(param, w, local, part)
+
+    def split_shared(self, suffix: str, w: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """A shared-experts checkpoint tensor covering all `n` shared experts (intermediate
+        n * I) -> expert j's piece for each j: its rows (w13) / columns (w2) of the
+        intermediate dim in stored rows/columns (whole scale blocks: `shared_expert_slots`
+        asks for I to hold whole blocks when n > 1), before this bank's own TP slice. Tensors
+        not split along the intermediate dim (global scales) go to every expert as they are."""
+        p = getattr(self, suffix, None)
+        spec = getattr(p, "spec", None)
+        axis = None if spec is None else spec.out_dim if self.split == "out" else spec.in_dim
+        if n == 1 or axis is None:
+            return [w] * n
+        if w.shape[axis] % n:
+            raise ValueError(
+                f"shared experts' {suffix} {tuple(w.shape)} does not split into {n} experts"
+            )
+        size = w.shape[axis] // n
+        return [w.narrow(axis, j * size, size) for j in range(n)]
 
     def _load_one(self, param: nn.Parameter, w: torch.Tensor, local: int, part: int) -> None:
         s = param.spec
@@ -246,27 +297,43 @@ class ExpertLayout:
 
     Tensor parallel (default): every rank holds all experts, each split along its
     intermediate dim (`split` = the TP group). Expert parallel: rank r holds experts
-    [r*E/N, (r+1)*E/N) whole (`split` = no split)."""
+    [r*E/N, (r+1)*E/N) whole (`split` = no split). `num_shared` shared-expert slots follow
+    the routed experts (ids E + j, local slots num_local + j), split like them; tensor
+    parallel only (under EP a shared expert would be split while routed ones are whole)."""
 
-    num_experts: int
+    num_experts: int  # routed experts: the router's ids 0 .. E-1
     first: int
-    num_local: int
+    num_local: int  # routed experts on this rank
     split: TPGroup
+    num_shared: int = 0
 
     @staticmethod
-    def of(num_experts: int, tp: TPGroup) -> ExpertLayout:
+    def of(num_experts: int, tp: TPGroup, num_shared: int = 0) -> ExpertLayout:
         if tp.expert_parallel and tp.size > 1:
+            if num_shared:
+                raise ValueError("shared-expert slots are not laid out for expert parallelism")
             per = tp.shard_experts(num_experts)
             return ExpertLayout(num_experts, tp.rank * per, per, SINGLE)
-        return ExpertLayout(num_experts, 0, num_experts, tp)
+        return ExpertLayout(num_experts, 0, num_experts, tp, num_shared)
+
+    @property
+    def num_slots(self) -> int:
+        """Experts the banks hold on this rank: routed, then shared."""
+        return self.num_local + self.num_shared
 
     def local_index(self, expert: int) -> int | None:
+        """A global expert id -> its local slot (None: another rank's). Ids past the routed
+        experts are the shared slots, which every rank holds."""
+        if expert >= self.num_experts:
+            j = expert - self.num_experts
+            return self.num_local + j if j < self.num_shared else None
         i = expert - self.first
         return i if 0 <= i < self.num_local else None
 
 
 class RoutedExperts(nn.Module):
-    """This rank's routed experts: `w13` (gate+up) and `w2` (down) banks."""
+    """This rank's routed experts, and `num_shared` shared experts as slots after them:
+    `w13` (gate+up) and `w2` (down) banks."""
 
     def __init__(
         self,
@@ -276,9 +343,10 @@ class RoutedExperts(nn.Module):
         scheme: WeightScheme,
         tp: TPGroup,
         dtype: torch.dtype,
+        num_shared: int = 0,
     ) -> None:
         super().__init__()
-        self.layout = ExpertLayout.of(num_experts, tp)
+        self.layout = ExpertLayout.of(num_experts, tp, num_shared)
         self.num_experts = num_experts
         self.w13 = ExpertBank(scheme, self.layout, 2, intermediate, hidden, "out", dtype)
         self.w2 = ExpertBank(scheme, self.layout, 1, hidden, intermediate, "in", dtype)
@@ -316,7 +384,7 @@ class RoutedExperts(nn.Module):
         if v13 is None or v2 is None:
             return None
         (p13, s13, g13), (p2, s2, g2) = v13, v2
-        g13 = g13.float().reshape(self.layout.num_local, 2)
+        g13 = g13.float().reshape(self.layout.num_slots, 2)
         gs = g13.amax(dim=1)
         if not torch.equal(g13[:, 0], g13[:, 1]):
             log.info("MoE: gate/up global scales differ; block scales rescaled to one global")
@@ -328,8 +396,44 @@ class RoutedExperts(nn.Module):
         return (p13, s13, gs.contiguous(), p2, s2, g2.float().reshape(-1).contiguous())
 
     def to_local_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Global expert ids -> this rank's (out of [0, E_local) for other ranks' experts)."""
+        """Global expert ids -> this rank's slots (out of [0, slots) for other ranks'
+        experts). Shared slot ids E + j need no shift: they exist only without EP (first 0)."""
         return ids - self.layout.first if self.layout.first else ids
+
+    def runs_shared_slots(self, x: torch.Tensor) -> bool:
+        """Whether this batch routes to the shared slots (else `shared_dense` serves them):
+        always on the CPU loop; in the fused kernels where slots measured faster."""
+        tokens = x.shape[0]
+        fused = self._nvfp4_args is not None or self._elementwise_args is not None
+        if not (fused and x.is_cuda and x.dtype == torch.bfloat16):
+            return True
+        return tokens <= SLOTS_MAX_GEMV_TOKENS or tokens >= SLOTS_MIN_MMA_TOKENS
+
+    def shared_dense(self, x: torch.Tensor) -> torch.Tensor:
+        """sum_j shared_j(x) [T, H] by dense GPU GEMMs on the shared slots' bank rows (the
+        fused kernels' argument views: one merged gate+up GEMM, SiLU*up, down per slot)."""
+        from moeserve.kernels.activation import silu_mul
+
+        out = None
+        for j in range(self.layout.num_shared):
+            e = self.layout.num_local + j
+            if self._nvfp4_args is not None:
+                from moeserve.kernels.nvfp4_gemm import nvfp4_gemm
+
+                p13, s13, g13, p2, s2, g2 = self._nvfp4_args
+                h = silu_mul(nvfp4_gemm(x, p13[e], s13[e], g13[e]))
+                y = nvfp4_gemm(h, p2[e], s2[e], g2[e])
+            else:
+                w13, s13, w2, s2 = self._elementwise_args
+                if s13 is None:
+                    y = F.linear(silu_mul(F.linear(x, w13[e])), w2[e])
+                else:
+                    from moeserve.kernels.fp8_block_gemm import fp8_block_gemm
+
+                    h = silu_mul(fp8_block_gemm(x, w13[e], s13[e]))
+                    y = fp8_block_gemm(h, w2[e], s2[e])
+            out = y if out is None else out.add_(y)
+        return out
 
     @property
     def supports_cuda_graph(self) -> bool:
@@ -345,9 +449,10 @@ class RoutedExperts(nn.Module):
         ids: torch.Tensor,
         add_to: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [T, H], weights/ids [T, k] (global ids) -> sum over this rank's experts of
-        w * expert(x) [T, H] (this rank's partial), plus `add_to` (the shared expert's output,
-        added in the kernel's combine step on GPUs; `add_to` may be overwritten)."""
+        """x [T, H], weights/ids [T, k] (global ids; shared slots included as ids E + j) ->
+        sum over this rank's experts of w * expert(x) [T, H] (this rank's partial), plus
+        `add_to` (a separate shared expert's output, added in the kernel's combine step on
+        GPUs; `add_to` may be overwritten)."""
         local = self.to_local_ids(ids)
         fused = x.is_cuda and x.dtype == torch.bfloat16
         if fused and self._nvfp4_args is not None:
@@ -375,7 +480,7 @@ class RoutedExperts(nn.Module):
         out = torch.zeros_like(x) if add_to is None else add_to.clone()
         inter = self.w13.local_out
         for e in torch.unique(local).tolist():
-            if not 0 <= e < self.layout.num_local:
+            if not 0 <= e < self.layout.num_slots:
                 continue
             tok, slot = torch.where(local == e)
             xe = x[tok]
@@ -420,8 +525,68 @@ class Router(nn.Module):
         return F.linear(x.float(), self.weight.float())
 
 
+def _routed_scheme(quant: QuantConfig | None, prefix: str) -> WeightScheme:
+    """The stored format of the routed experts of the MoE layer `prefix` (plain: the model
+    dtype)."""
+    scheme = quant.moe_method(f"{prefix}.experts") if quant is not None else None
+    return scheme if isinstance(scheme, WeightScheme) else WeightScheme()
+
+
+def _linear_scheme(quant: QuantConfig | None, name: str) -> WeightScheme | None:
+    """The stored format of the linear `name` as a weight scheme, None where its method is
+    not scheme-based (CPU weight-only repacking): such a weight has no place in a bank."""
+    method = (quant or NoQuant()).linear_method(name)
+    if isinstance(method, UnquantizedLinearMethod):
+        return WeightScheme()
+    scheme = getattr(method, "scheme", None)
+    return scheme if isinstance(scheme, WeightScheme) else None
+
+
+def _same_scheme(a: WeightScheme | None, b: WeightScheme) -> bool:
+    return a is not None and type(a) is type(b) and vars(a) == vars(b)
+
+
+def shared_expert_slots(
+    cfg: ModelConfig, prefix: str, quant: QuantConfig | None, tp: TPGroup = SINGLE
+) -> int:
+    """How many slots of the routed-expert banks the shared experts of the MoE layer `prefix`
+    take: `cfg.n_shared_experts`, or 0 where they stay a separate `DeepseekMLP`.
+
+    A shared MLP of intermediate n * I is the sum of n experts of I (its gate/up rows and down
+    columns split alike), so each can be one more expert of the fused kernel, weighted 1 for
+    every token: one kernel reads it with the routed experts instead of ~5 launches. Needs
+    - `cfg.shared_experts_as_slots` (the switch) and shared experts at all;
+    - the routed experts' stored format for gate, up and down (same `WeightScheme` type and
+      settings; plain weights match plain weights): Kimi-K2.5 NVFP4's BF16 shared expert
+      beside NVFP4 routed experts stays separate;
+    - with n > 1, whole quantization blocks per expert along the intermediate dim, so each
+      expert's slice of the stored tensors (scales included) is whole rows/columns;
+    - no expert parallelism (its ranks hold whole routed experts; the shared one is split).
+    Decided from the config, the quant config and the TP group only, never from the device:
+    every rank and device (and the planner's meta model) builds the same layout.
+    """
+    n = cfg.n_shared_experts
+    if not (cfg.shared_experts_as_slots and n) or (tp.expert_parallel and tp.size > 1):
+        return 0
+    routed = _routed_scheme(quant, prefix)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        if not _same_scheme(_linear_scheme(quant, f"{prefix}.shared_experts.{proj}"), routed):
+            return 0
+    if n > 1:
+        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        gate_up = routed.specs(inter, hidden, cfg.dtype)
+        down = routed.specs(hidden, inter, cfg.dtype)
+        if any(s.out_dim is not None and inter % s.out_block for s in gate_up) or any(
+            s.in_dim is not None and inter % s.in_block for s in down
+        ):
+            return 0
+    return n
+
+
 class DeepseekMoE(nn.Module):
-    """Router + routed experts + shared experts of one MoE layer."""
+    """Router + routed experts + shared experts of one MoE layer; the shared experts are
+    slots of the routed banks where `shared_expert_slots` allows (`shared_slots` > 0,
+    `shared_experts` None), else a separate MLP."""
 
     def __init__(
         self,
@@ -437,16 +602,18 @@ class DeepseekMoE(nn.Module):
         self.gate = Router(
             cfg.n_routed_experts, cfg.hidden_size, cfg.topk_method == "noaux_tc", dtype
         )
-        scheme = quant.moe_method(f"{prefix}.experts") if quant is not None else None
+        # decided before any weight exists: it changes the banks' shapes and the loading
+        self.shared_slots = shared_expert_slots(cfg, prefix, quant, tp)
         self.experts = RoutedExperts(
             cfg.n_routed_experts,
             cfg.hidden_size,
             cfg.moe_intermediate_size,
-            scheme if isinstance(scheme, WeightScheme) else WeightScheme(),
+            _routed_scheme(quant, prefix),
             tp,
             dtype,
+            num_shared=self.shared_slots,
         )
-        if cfg.n_shared_experts:
+        if cfg.n_shared_experts and not self.shared_slots:
             self.shared_experts = DeepseekMLP(
                 cfg.hidden_size,
                 cfg.moe_intermediate_size * cfg.n_shared_experts,
@@ -459,10 +626,16 @@ class DeepseekMoE(nn.Module):
         else:
             self.shared_experts = None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(routing weights fp32 [T, k], global expert ids [T, k]): one Triton kernel after
-        the gate GEMM on GPUs (kernels/router.py), the torch reference elsewhere."""
+    def route(
+        self, x: torch.Tensor, shared_slots: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights fp32 [T, k + S], global expert ids [T, k + S]): one Triton kernel
+        after the gate GEMM on GPUs (kernels/router.py), the torch reference elsewhere. The
+        S last columns (S = `shared_slots`, default the layer's own) are the shared experts
+        (ids E + j, weight 1.0, not scaled by routed_scaling_factor: a separate shared MLP is
+        added with weight 1 too)."""
         c = self.cfg
+        slots = self.shared_slots if shared_slots is None else shared_slots
         kw = dict(
             scoring_func=c.scoring_func,
             topk_method=c.topk_method,
@@ -476,11 +649,19 @@ class DeepseekMoE(nn.Module):
         if x.is_cuda and gpu_kernels_enabled(x.device):
             from moeserve.kernels.router import route
 
-            return route(logits, bias, c.num_experts_per_tok, **kw)
-        return select_experts(logits, c.num_experts_per_tok, correction_bias=bias, **kw)
+            return route(logits, bias, c.num_experts_per_tok, shared_slots=slots, **kw)
+        weights, ids = select_experts(logits, c.num_experts_per_tok, correction_bias=bias, **kw)
+        if slots:
+            return append_shared_slots(weights, ids, c.n_routed_experts, slots)
+        return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        shared = None
+        slots = self.shared_slots
+        if slots and not self.experts.runs_shared_slots(x):
+            slots, shared = 0, self.experts.shared_dense(x)  # batch sizes where slots lose
+        elif self.shared_experts is not None:
+            shared = self.shared_experts(x)
+        weights, ids = self.route(x, slots)
         # this rank's partial sum: the decoder all-reduces it with the residual
         return self.experts(x, weights, ids, add_to=shared)

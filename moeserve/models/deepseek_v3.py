@@ -9,6 +9,10 @@ Checkpoint names handled by `load_weights`:
   `mlp.experts.w13` (gate, up: parts 0, 1) / `mlp.experts.w2` (down) with shard id
   (e, part), and transformers-5 stacked ones (`mlp.experts.gate_up_proj`,
   `mlp.experts.down_proj`) with shard id (None, part);
+- shared experts `mlp.shared_experts.{proj}.{suffix}`, where the layer runs them as slots of
+  the banks (`DeepseekMoE.shared_slots` = n > 0), -> the same banks with shard id (E + j,
+  part), the tensor of all n shared experts cut into expert j's rows (gate/up) or columns
+  (down) first (`ExpertBank.split_shared`); elsewhere to the layer's own `shared_experts`;
 - FP8-cache scales `self_attn.*.{k,v}_scale` -> the layer's `kv_scale`.
 """
 
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_SHARED = re.compile(r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.(.+)$")
 _KV_SCALE = re.compile(r"\.self_attn\..*\b[kv]_scale$")
 # q_a_proj / kv_a_proj_with_mqa -> shards 0 / 1 of self_attn.fused_qkv_a_proj (when merged)
 _QKV_A = re.compile(r"\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.")
@@ -97,6 +102,11 @@ class DeepseekV3Model(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if any(getattr(layer.mlp, "shared_slots", 0) for layer in self.layers):
+            log.info(
+                "shared experts: experts %d.. of the routed banks (run with the routed experts)",
+                cfg.n_routed_experts,
+            )
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -184,6 +194,11 @@ class DeepseekV3ForCausalLM(nn.Module):
                     ),
                 )
                 continue
+            shared = _SHARED.search(name)
+            moe = self.model.layers[int(m.group(1))].mlp if shared and m else None
+            if getattr(moe, "shared_slots", 0):
+                yield from self._shared_slot_shards(name, shared, moe, tensor)
+                continue
             if name.endswith(".mlp.experts.gate_up_proj"):
                 half = tensor.shape[1] // 2
                 w13 = name.replace("gate_up_proj", "w13.weight")
@@ -199,6 +214,19 @@ class DeepseekV3ForCausalLM(nn.Module):
                 yield fused, tensor, _QKV_A_SHARD[a.group(1)]
                 continue
             yield name, tensor, None
+
+    def _shared_slot_shards(
+        self, name: str, match: re.Match, moe: DeepseekMoE, tensor: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor, tuple[int, int]]]:
+        """A shared-experts tensor of a layer running them as bank slots -> for each shared
+        expert j its piece, into the bank with shard id (E + j, part)."""
+        proj, suffix = match.group(1), match.group(2)
+        bank_name, part = _EXPERT_PARTS[proj]
+        bank = getattr(moe.experts, bank_name)
+        target = f"{name[: match.start()]}.mlp.experts.{bank_name}.{suffix}"
+        first = self.config.n_routed_experts
+        for j, piece in enumerate(bank.split_shared(suffix, tensor, moe.shared_slots)):
+            yield target, piece, (first + j, part)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

@@ -1,5 +1,6 @@
 """The fused router kernel vs its torch reference (same tie rule), the reference vs the model's
-`select_experts`, and ties against a plain-Python oracle; Triton CPU interpreter."""
+`select_experts`, and ties against a plain-Python oracle; shared-expert slot columns against
+select_experts with the columns appended by hand; Triton CPU interpreter."""
 
 from __future__ import annotations
 
@@ -92,6 +93,74 @@ def test_kernel_matches_reference_and_select_experts(name, tokens):
     torch.testing.assert_close(
         w.gather(1, order.indices), sw.gather(1, sorder.indices), rtol=1e-6, atol=1e-7
     )
+
+
+def _assert_same_routing(w, ids, sw, sids):
+    """Kernel columns vs select_experts' (torch.topk order): same sets, weights per expert."""
+    order, sorder = ids.long().sort(-1), sids.long().sort(-1)
+    assert torch.equal(order.values, sorder.values)
+    torch.testing.assert_close(
+        w.gather(1, order.indices), sw.gather(1, sorder.indices), rtol=1e-6, atol=1e-7
+    )
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+@pytest.mark.parametrize("name", ["deepseek", "kimi", "v2_greedy"])
+def test_shared_slots_are_extra_columns_of_weight_one(name, slots):
+    """Shared experts as slots: the same launch writes S more columns per token (ids E..E+S-1,
+    weight exactly 1.0, unscaled), the routed columns unchanged."""
+    case, scoring, method, norm = CASES[name]
+    tokens, k, experts = 7, case["k"], case["E"]
+    logits, bias = _inputs(tokens, experts, seed=10 + slots, bias=method == "noaux_tc")
+    kw = _kw(case, scoring, method, norm)
+    # NaN / -1 filled outputs: every column must be written by the kernel itself
+    wbuf = torch.full((tokens, k + slots), float("nan"))
+    ibuf = torch.full((tokens, k + slots), -1, dtype=torch.int32)
+    w, ids = router_mod.route(
+        logits, bias, k, shared_slots=slots, out_weights=wbuf, out_ids=ibuf, **kw
+    )
+    rw, rids = router_mod.route_ref(logits, bias, k, shared_slots=slots, **kw)
+    assert w.shape == ids.shape == (tokens, k + slots)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-7)
+    # independent: select_experts, then the shared columns appended by hand
+    sw, sids = select_experts(logits, k, correction_bias=bias, **kw)
+    shared_ids = torch.tensor([list(range(experts, experts + slots))] * tokens)
+    sw = torch.cat([sw, torch.ones(tokens, slots)], 1)
+    sids = torch.cat([sids, shared_ids], 1)
+    assert torch.equal(ids[:, k:].long(), shared_ids)
+    assert torch.equal(w[:, k:], torch.ones(tokens, slots))
+    _assert_same_routing(w[:, :k], ids[:, :k], sw[:, :k], sids[:, :k])
+    _assert_same_routing(w, ids, sw, sids)
+    # the routed columns are what routing without slots gives, bit for bit
+    w0, ids0 = router_mod.route(logits, bias, k, **kw)
+    assert torch.equal(ids[:, :k], ids0) and torch.equal(w[:, :k], w0)
+
+
+def test_shared_slots_first_id_strides_and_empty_batch():
+    logits, bias = _inputs(4, 256, seed=5, bias=True)
+    kw = _kw(DEEPSEEK, "sigmoid", "noaux_tc", True)
+    wbuf = torch.full((4, 16), float("nan"))
+    ibuf = torch.full((4, 16), -7, dtype=torch.int32)
+    w, ids = router_mod.route(
+        logits,
+        bias,
+        8,
+        shared_slots=2,
+        shared_first_id=300,
+        out_weights=wbuf[:, 2:12],
+        out_ids=ibuf[:, 3:13],
+        **kw,
+    )
+    rw, rids = router_mod.route_ref(logits, bias, 8, shared_slots=2, shared_first_id=300, **kw)
+    assert torch.equal(ibuf[:, 3:13], rids) and (ibuf[:, 11:13] == torch.tensor([300, 301])).all()
+    torch.testing.assert_close(wbuf[:, 2:12], rw, rtol=1e-6, atol=1e-7)
+    assert wbuf[:, :2].isnan().all() and wbuf[:, 12:].isnan().all()
+    assert (ibuf[:, :3] == -7).all() and (ibuf[:, 13:] == -7).all()
+    w0, i0 = router_mod.route(torch.zeros(0, 256), bias, 8, shared_slots=1, **kw)
+    assert w0.shape == (0, 9) and i0.shape == (0, 9)
+    with pytest.raises(ValueError, match="out_weights"):
+        router_mod.route(logits, bias, 8, shared_slots=1, out_weights=torch.zeros(4, 8), **kw)
 
 
 def _python_route(logits, bias, k, n_group, topk_group):

@@ -25,17 +25,27 @@ from moeserve.loader.safetensors import load_safetensors_model
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tests.models.helpers import PagedRunner
 
+BANK_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+
 
 def model_weight(model, name: str) -> torch.Tensor:
     """The dense fp32 value of a model-space weight name, whatever its stored format."""
     parts = name.split(".")
     if ".mlp.experts." in name:  # model.layers.i.mlp.experts.e.proj.weight
         moe = model.model.layers[int(parts[2])].mlp
-        bank, part = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}[
-            parts[6]
-        ]
+        bank, part = BANK_PARTS[parts[6]]
         b = getattr(moe.experts, bank)
         return b.scheme.dequantize(b.part_tensors(int(parts[5]), part), torch.float32)
+    moe = model.model.layers[int(parts[2])].mlp if ".mlp.shared_experts." in name else None
+    if getattr(moe, "shared_slots", 0):  # bank slots E.. : the shared MLP is their concatenation
+        bank, part = BANK_PARTS[parts[5]]
+        b = getattr(moe.experts, bank)
+        routed = moe.experts.layout.num_local
+        pieces = [
+            b.scheme.dequantize(b.part_tensors(routed + j, part), torch.float32)
+            for j in range(moe.shared_slots)
+        ]
+        return torch.cat(pieces, 0 if bank == "w13" else 1)
     if parts[-2] in ("q_a_proj", "kv_a_proj_with_mqa"):  # merged at load: rows [q_a; kv_a]
         attn = model.model.layers[int(parts[2])].self_attn
         if attn.fused_qkv_a_proj is not None:

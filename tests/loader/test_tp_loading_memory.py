@@ -1,6 +1,8 @@
 """Under tensor / expert parallelism each rank reads only its slices of the checkpoint, each
 once: the bytes a rank reads from the files stay within its share of the model (the sum of
-its parameters), far below the checkpoint, and the slices hold the single-process values."""
+its parameters), far below the checkpoint, and the slices hold the single-process values.
+Kimi-K2.5 keeps its BF16 shared expert a separate MLP; Moonlight's two NVFP4 shared experts are
+slots of the expert banks, each cut from the one stored tensor, lazily too."""
 
 from __future__ import annotations
 
@@ -28,25 +30,28 @@ def _checkpoint_bytes(path: str) -> int:
     )
 
 
-@pytest.fixture(scope="module")
-def kimi(tmp_path_factory):
+@pytest.fixture(scope="module", params=["kimi-k2.5", "moonlight"])
+def checkpoint(tmp_path_factory, request):
     return write_checkpoint(
-        str(tmp_path_factory.mktemp("mem") / "kimi"), "kimi-k2.5", "nvfp4-modelopt", shape=SHAPE
+        str(tmp_path_factory.mktemp("mem") / request.param),
+        request.param,
+        "nvfp4-modelopt",
+        shape=SHAPE,
     ).path
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
-def test_each_rank_reads_only_its_share(kimi, ep):
+def test_each_rank_reads_only_its_share(checkpoint, ep):
     # bf16: the parameters keep the checkpoint's dtypes, so bytes kept = bytes read
     single_stats = ReadStats()
-    single = load_safetensors_model(kimi, torch.bfloat16, stats=single_stats).model
+    single = load_safetensors_model(checkpoint, torch.bfloat16, stats=single_stats).model
     full = _share(single)
     assert single_stats.bytes_read <= 1.05 * full  # one process reads the model once
     total = 0
     for rank in range(2):
         stats = ReadStats()
         tp = TPGroup(rank=rank, size=2, expert_parallel=ep)  # loading needs no collective
-        model = load_safetensors_model(kimi, torch.bfloat16, tp=tp, stats=stats).model
+        model = load_safetensors_model(checkpoint, torch.bfloat16, tp=tp, stats=stats).model
         share = _share(model)
         # what it reads is what it keeps (the acceptance bound is 1.5x; a loader that read
         # whole tensors and sliced them afterwards would read ~1.4x here and fail)
@@ -64,4 +69,4 @@ def test_each_rank_reads_only_its_share(kimi, ep):
             up = ref.weight[:, inter + rank * half : inter + (rank + 1) * half]
             torch.testing.assert_close(bank.weight, torch.cat([gate, up], 1))
     # two ranks together read about one model plus the replicated parts, never two models
-    assert total < 1.5 * _checkpoint_bytes(kimi)
+    assert total < 1.5 * _checkpoint_bytes(checkpoint)

@@ -4,6 +4,7 @@ and the printed plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -199,6 +200,26 @@ def test_deepseek_fp8_experts_fused_and_captured(capsys):
     assert re.search(r"routed experts\s+fused Triton block-FP8 MoE", out)
     assert re.search(r"CUDA graphs\s+decode replayed", out)
     assert "fallbacks: 0" in out
+
+
+def test_deepseek_fp8_shared_expert_slot_counted_as_shared_expert():
+    """DeepSeek-V3 FP8 runs its shared expert as expert 256 of each MoE layer's banks; the
+    plan still counts it as the shared expert, by hand and as the separate-MLP layout does."""
+    p = plan.plan_deployment(DSV3, GPUS["h200"], 8, _engine(tensor_parallel_size=TP))
+    moe_layers, inter = 61 - 3, 2048 // TP
+    e4m3 = 3 * inter * 7168  # gate, up, down of one expert on one rank, 1 B each
+    scales = 3 * (inter // 128) * (7168 // 128) * FP32  # one fp32 per 128x128 block
+    assert p.weights.experts_per_rank == 256
+    assert p.weights.by_part["shared experts"] == moe_layers * (e4m3 + scales)
+    assert p.weights.by_part["routed experts"] == moe_layers * 256 * (e4m3 + scales)
+    cfg, quant, _, _ = plan.load_model_description(DSV3)
+    slots = plan.meta_model(cfg, quant, torch.bfloat16, 0, TP)
+    assert slots.model.layers[3].mlp.shared_slots == 1
+    separate = plan.meta_model(
+        dataclasses.replace(cfg, shared_experts_as_slots=False), quant, torch.bfloat16, 0, TP
+    )
+    assert separate.model.layers[3].mlp.shared_slots == 0
+    assert plan.rank_weights(slots) == plan.rank_weights(separate)
 
 
 def test_cli_usage_errors(capsys):
