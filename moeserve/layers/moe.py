@@ -35,7 +35,11 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.dist.parallel import SINGLE, TPGroup
-from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear
+from moeserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from moeserve.layers.quant.base import (
     NoQuant,
     QuantConfig,
@@ -130,8 +134,30 @@ def append_shared_slots(
 
 
 # ---- dense MLP (leading dense layers, shared experts) ---------------------------------------
+def mergeable_gate_up(quant: QuantConfig | None, prefix: str, local_inter: int) -> bool:
+    """Whether `prefix`.gate_proj and .up_proj can be one column-parallel GEMM: both plain
+    weights, or the same weight scheme without per-tensor scalars whose blocks the rank's
+    `local_inter` gate rows fill whole (block-FP8: 128-row scale blocks then concatenate;
+    NVFP4's per-tensor global scales would not, nor the CPU's repacked formats)."""
+    methods = [
+        (quant or NoQuant()).linear_method(f"{prefix}.{p}") for p in ("gate_proj", "up_proj")
+    ]
+    if all(isinstance(m, UnquantizedLinearMethod) for m in methods):
+        return True
+    schemes = [getattr(m, "scheme", None) for m in methods]
+    if not all(isinstance(s, WeightScheme) for s in schemes):
+        return False
+    a, b = schemes
+    if type(a) is not type(b) or vars(a) != vars(b):
+        return False
+    specs = a.specs(local_inter, local_inter, torch.float32)
+    return all(s.out_dim is not None and local_inter % s.out_block == 0 for s in specs)
+
+
 class DeepseekMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
+    """down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel. Gate and up
+    are one GEMM (`gate_up_proj`, shard ids 0 / 1 from the checkpoint's gate_proj / up_proj)
+    where `mergeable_gate_up` allows, followed on GPUs by one SiLU*up launch."""
 
     def __init__(
         self,
@@ -145,10 +171,19 @@ class DeepseekMLP(nn.Module):
     ) -> None:
         super().__init__()
         kw = dict(quant=quant, tp=tp, dtype=dtype)
-        self.gate_proj = ColumnParallelLinear(
-            hidden, intermediate, prefix=f"{prefix}.gate_proj", **kw
-        )
-        self.up_proj = ColumnParallelLinear(hidden, intermediate, prefix=f"{prefix}.up_proj", **kw)
+        self.gate_up_proj: MergedColumnParallelLinear | None = None
+        if mergeable_gate_up(quant, prefix, tp.shard(intermediate)):
+            # the method is chosen by gate_proj's name (up_proj's was checked to match)
+            self.gate_up_proj = MergedColumnParallelLinear(
+                hidden, [intermediate, intermediate], prefix=f"{prefix}.gate_proj", **kw
+            )
+        else:
+            self.gate_proj = ColumnParallelLinear(
+                hidden, intermediate, prefix=f"{prefix}.gate_proj", **kw
+            )
+            self.up_proj = ColumnParallelLinear(
+                hidden, intermediate, prefix=f"{prefix}.up_proj", **kw
+            )
         self.down_proj = RowParallelLinear(
             intermediate,
             hidden,
@@ -158,7 +193,15 @@ class DeepseekMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = self.gate_up_proj(x)
+        if gu.is_cuda and gu.dim() == 2 and gpu_kernels_enabled(gu.device):
+            from moeserve.kernels.activation import silu_mul
+
+            return self.down_proj(silu_mul(gu))
+        gate, up = gu.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 # ---- routed experts -------------------------------------------------------------------------

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 _SHARED = re.compile(r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.(.+)$")
+# a dense or shared MLP's gate_proj / up_proj -> shards 0 / 1 of its gate_up_proj (when merged)
+_GATE_UP = re.compile(r"\.mlp\.(shared_experts\.)?(gate_proj|up_proj)\.")
+_GATE_UP_SHARD = {"gate_proj": 0, "up_proj": 1}
 _KV_SCALE = re.compile(r"\.self_attn\..*\b[kv]_scale$")
 # q_a_proj / kv_a_proj_with_mqa -> shards 0 / 1 of self_attn.fused_qkv_a_proj (when merged)
 _QKV_A = re.compile(r"\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.")
@@ -199,6 +202,11 @@ class DeepseekV3ForCausalLM(nn.Module):
             if getattr(moe, "shared_slots", 0):
                 yield from self._shared_slot_shards(name, shared, moe, tensor)
                 continue
+            g = _GATE_UP.search(name)
+            if g and m and self._merged_mlp(int(m.group(1)), bool(g.group(1))):
+                merged = name.replace(g.group(0), g.group(0).replace(g.group(2), "gate_up_proj"))
+                yield merged, tensor, _GATE_UP_SHARD[g.group(2)]
+                continue
             if name.endswith(".mlp.experts.gate_up_proj"):
                 half = tensor.shape[1] // 2
                 w13 = name.replace("gate_up_proj", "w13.weight")
@@ -214,6 +222,14 @@ class DeepseekV3ForCausalLM(nn.Module):
                 yield fused, tensor, _QKV_A_SHARD[a.group(1)]
                 continue
             yield name, tensor, None
+
+    def _merged_mlp(self, layer: int, shared: bool) -> bool:
+        """Whether layer `layer`'s dense MLP (or its separate shared-expert MLP) holds gate
+        and up as one `gate_up_proj`."""
+        mlp = self.model.layers[layer].mlp
+        if shared:
+            mlp = getattr(mlp, "shared_experts", None)
+        return getattr(mlp, "gate_up_proj", None) is not None
 
     def _shared_slot_shards(
         self, name: str, match: re.Match, moe: DeepseekMoE, tensor: torch.Tensor

@@ -52,8 +52,14 @@ def model_weight(model, name: str) -> torch.Tensor:
             w = dense_weight(attn.fused_qkv_a_proj, torch.float32)
             return w[: attn.q_lora] if parts[-2] == "q_a_proj" else w[attn.q_lora :]
     mod = model
-    for p in parts[:-1]:
+    for p in parts[:-2]:
         mod = mod[int(p)] if p.isdigit() else getattr(mod, p)
+    merged = getattr(mod, "gate_up_proj", None)
+    if parts[-2] in ("gate_proj", "up_proj") and merged is not None:  # merged: [gate; up]
+        w = dense_weight(merged, torch.float32)
+        half = w.shape[0] // 2
+        return w[:half] if parts[-2] == "gate_proj" else w[half:]
+    mod = mod[int(parts[-2])] if parts[-2].isdigit() else getattr(mod, parts[-2])
     if parts[-1] == "weight" and getattr(mod, "method", None) is not None:
         return dense_weight(mod, torch.float32)
     return getattr(mod, parts[-1]).float()
@@ -76,7 +82,8 @@ def test_format_loads_with_exact_dequantized_weights(root, like, fmt):
     # what the writer quantized is stored quantized, everything else stays unquantized
     for layer_idx, layer in enumerate(lm.model.model.layers):
         for mname, mod in layer.named_modules():
-            full = f"model.layers.{layer_idx}.{mname}"
+            # a merged gate_up_proj stands for the checkpoint's gate_proj (and up_proj)
+            full = f"model.layers.{layer_idx}.{mname}".replace("gate_up_proj", "gate_proj")
             if isinstance(getattr(mod, "method", None), SchemeLinearMethod):
                 assert full in wc.quantized, full
             elif isinstance(getattr(mod, "method", None), UnquantizedLinearMethod):
@@ -120,9 +127,9 @@ def test_exclude_modules_stay_bf16(root):
         q = json.load(f)["quantization"]
     assert "language_model.layers.0.mlp*" in q["exclude_modules"]
     m = load_safetensors_model(wc.path, torch.float32).model
-    dense0 = m.model.layers[0].mlp
-    assert isinstance(dense0.gate_proj.method, UnquantizedLinearMethod)
-    assert dense0.gate_proj.weight.dtype == torch.float32
+    dense0 = m.model.layers[0].mlp  # excluded: bf16, so gate and up are one merged GEMM
+    assert isinstance(dense0.gate_up_proj.method, UnquantizedLinearMethod)
+    assert dense0.gate_up_proj.weight.dtype == torch.float32
     moe = m.model.layers[1].mlp
     assert isinstance(moe.shared_experts.down_proj.method, UnquantizedLinearMethod)
     assert isinstance(m.model.layers[1].self_attn.kv_b_proj.method, UnquantizedLinearMethod)
