@@ -133,11 +133,13 @@ def _host_profile(engine, steps: int = 48) -> str:
 
 def _layer_byte_parts(engine) -> tuple[int, float, int]:
     """(bytes of a MoE layer besides its routed experts, bytes of one routed expert, routed
-    experts held) on rank 0: its slice under tensor parallelism, its experts under EP."""
+    experts held) on rank 0: its slice under tensor parallelism, its experts under EP.
+    Shared experts held as bank slots (layers/moe.py) count with the rest: read every step."""
     layer = next(lay for lay in engine.runner.model.model.layers if hasattr(lay.mlp, "experts"))
     experts = layer.mlp.experts
     e = experts.layout.num_local
-    expert_bytes = sum(p.numel() * p.element_size() for p in experts.parameters()) / e
+    bank = sum(p.numel() * p.element_size() for p in experts.parameters())
+    expert_bytes = bank / experts.layout.num_slots
     rest = sum(p.numel() * p.element_size() for p in layer.parameters()) - expert_bytes * e
     return int(rest), expert_bytes, e
 

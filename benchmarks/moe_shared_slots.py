@@ -99,9 +99,8 @@ def main() -> int:
             w13, w2 = getattr(slot.experts.w13, suffix), getattr(slot.experts.w2, suffix)
             getattr(sep.experts.w13, suffix).copy_(w13[:e])
             getattr(sep.experts.w2, suffix).copy_(w2[:e])
-            rows = w13.shape[1] // 2
-            getattr(sep.shared_experts.gate_proj, suffix).copy_(w13[e, :rows])
-            getattr(sep.shared_experts.up_proj, suffix).copy_(w13[e, rows:])
+            # the separate MLP's merged gate_up_proj holds [gate; up] rows like a w13 slot
+            getattr(sep.shared_experts.gate_up_proj, suffix).copy_(w13[e])
             getattr(sep.shared_experts.down_proj, suffix).copy_(w2[e])
     records = []
     for rows in (1, 2, 3, 4, 8, 16, 32, 64, 128):

@@ -66,7 +66,9 @@ _MIN_TOKENS_PER_SPLIT = 128
 _MERGE_MAX_PROGRAMS = 512
 _MERGE_MIN_D_BLOCK = 128
 _MERGE_MAX_HEADS_BLOCK = 8
-_MERGE_STAGES = 3  # partials of this many splits in flight per program
+# Each step of a merge program reads CHUNK splits' partials at once ([CHUNK, heads, values],
+# at most this many elements: 16 per thread at 4 warps), so many splits take few steps.
+_MERGE_TILE = 2048
 # Upper bound of num_splits: the merge keeps all split lse values of a head in registers.
 MAX_SPLITS = 1024
 
@@ -389,10 +391,10 @@ def _mla_decode_merge_kernel(
     SPLITS_P2: tl.constexpr,
     HEADS_BLOCK: tl.constexpr,
     D_BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """out[b, h, d] = sum_s w_s * partial_s / sum_s w_s, w_s = 2^(lse_s - max lse), for
-    HEADS_BLOCK heads x D_BLOCK values per program."""
+    HEADS_BLOCK heads x D_BLOCK values per program, CHUNK splits per step."""
     b = tl.program_id(0)
     offs_h = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
     h_ok = offs_h[:, None] < num_heads
@@ -407,13 +409,18 @@ def _mla_decode_merge_kernel(
 
     offs_d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
     po = po_ptr + b.to(tl.int64) * stride_pob + offs_h[:, None] * stride_poh + offs_d[None, :]
+    offs_c = tl.arange(0, CHUNK)
     acc = tl.zeros([HEADS_BLOCK, D_BLOCK], tl.float32)
-    for s in tl.range(0, num_splits, num_stages=STAGES):
-        lse = tl.load(pl + s, mask=h_ok, other=float("-inf"))  # [HB, 1]
-        w = tl.where(lse > float("-inf"), tl.exp2(lse - m[:, None]), 0.0)
+    for c in range(0, tl.cdiv(num_splits, CHUNK)):
+        offs_s = c * CHUNK + offs_c
+        s_ok = (offs_s < num_splits)[:, None, None]
+        lse = tl.load(pl[None, :, :] + offs_s[:, None, None], mask=s_ok & h_ok[None, :, :],
+                      other=float("-inf"))  # fmt: skip
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - m[None, :, None]), 0.0)  # [C, HB, 1]
         # Empty splits are not read: their slots may hold stale data from another call.
-        part = tl.load(po + s * stride_pos, mask=w > 0.0, other=0.0)
-        acc += part.to(tl.float32) * w
+        parts = tl.load(po[None, :, :] + offs_s[:, None, None] * stride_pos, mask=w > 0.0,
+                        other=0.0)  # fmt: skip
+        acc += tl.sum(parts.to(tl.float32) * w, axis=0)
     o = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
     out = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=h_ok)
@@ -567,7 +574,7 @@ def mla_decode(
             SPLITS_P2=triton.next_power_of_2(num_splits),
             HEADS_BLOCK=hb,
             D_BLOCK=db,
-            STAGES=_MERGE_STAGES,
+            CHUNK=max(1, _MERGE_TILE // (hb * db)),
             num_warps=4,
         )
     return out
