@@ -66,8 +66,11 @@ _MIN_TOKENS_PER_SPLIT = 128
 _MERGE_MAX_PROGRAMS = 512
 _MERGE_MIN_D_BLOCK = 128
 _MERGE_MAX_HEADS_BLOCK = 8
-# Each step of a merge program reads CHUNK splits' partials at once ([CHUNK, heads, values],
-# at most this many elements: 16 per thread at 4 warps), so many splits take few steps.
+# With one head per program, each step of a merge program reads CHUNK splits' partials at
+# once ([CHUNK, 1, values], this many elements: 16 per thread at 4 warps), so the many splits
+# of a small batch take few steps. Several heads per program (large batches, so few splits)
+# read one split per step: [2, 2, 512] chunks measured 21 us where one split per step took
+# 3.3 us (batch 8, 128 heads, 8 splits; benchmarks/results/mla_merge_profile.log).
 _MERGE_TILE = 2048
 # Upper bound of num_splits: the merge keeps all split lse values of a head in registers.
 MAX_SPLITS = 1024
@@ -574,7 +577,7 @@ def mla_decode(
             SPLITS_P2=triton.next_power_of_2(num_splits),
             HEADS_BLOCK=hb,
             D_BLOCK=db,
-            CHUNK=max(1, _MERGE_TILE // (hb * db)),
+            CHUNK=1 if hb > 1 else _MERGE_TILE // db,
             num_warps=4,
         )
     return out
