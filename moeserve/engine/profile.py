@@ -34,6 +34,10 @@ MODULE_COMPONENTS = {
     "dense MLP": ("DeepseekMLP", "LlamaMLP"),
     "LM head": ("ParallelLMHead",),
 }
+# (module class, method) -> component, for work a component runs outside its forward: the
+# shared-expert slots' dense GEMMs (layers/moe.py) at the batch sizes where they leave the
+# fused kernel
+METHOD_COMPONENTS = {("RoutedExperts", "shared_dense"): "shared expert"}
 COMPONENTS = (
     "attention GEMMs",
     "MLA decode",
@@ -88,13 +92,16 @@ def labelled(model: nn.Module) -> Iterator[None]:
             if orig is None or attr in m.__dict__:
                 continue
             m.__dict__[attr] = _scoped(orig, LABEL + label)
+        for (owner, attr), component in METHOD_COMPONENTS.items():
+            if cls == owner and attr not in m.__dict__:
+                m.__dict__[attr] = _scoped(getattr(m, attr), LABEL + component)
         wrapped.append(m)
     try:
         yield
     finally:
         for m in wrapped:
-            m.__dict__.pop("forward", None)
-            m.__dict__.pop("compute_logits", None)
+            for attr in ("forward", "compute_logits", *(a for _, a in METHOD_COMPONENTS)):
+                m.__dict__.pop(attr, None)
 
 
 def _scoped(fn: Callable, label: str) -> Callable:

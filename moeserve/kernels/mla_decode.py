@@ -66,12 +66,12 @@ _MIN_TOKENS_PER_SPLIT = 128
 _MERGE_MAX_PROGRAMS = 512
 _MERGE_MIN_D_BLOCK = 128
 _MERGE_MAX_HEADS_BLOCK = 8
-# With one head per program, each step of a merge program reads CHUNK splits' partials at
-# once ([CHUNK, 1, values], this many elements: 16 per thread at 4 warps), so the many splits
-# of a small batch take few steps. Several heads per program (large batches, so few splits)
-# read one split per step: [2, 2, 512] chunks measured 21 us where one split per step took
-# 3.3 us (batch 8, 128 heads, 8 splits; benchmarks/results/mla_merge_profile.log).
-_MERGE_TILE = 2048
+# Where a program holds one head's 128 values (small batches: many splits), each step reads
+# CHUNK splits' partials at once ([CHUNK, 1, 128] tiles), so 32-132 splits take few steps;
+# elsewhere (fewer splits) one split per step. Both measured on an H200 at 2232beb
+# (benchmarks/results/kernels_mla_heads.md, mla_merge_profile.log): chunks of wider blocks
+# ([8, 1, 256], [4, 1, 512], [2, 2, 512]) took 1.3-2.5x the one-split loop.
+_MERGE_CHUNK = 16
 # Upper bound of num_splits: the merge keeps all split lse values of a head in registers.
 MAX_SPLITS = 1024
 
@@ -577,7 +577,7 @@ def mla_decode(
             SPLITS_P2=triton.next_power_of_2(num_splits),
             HEADS_BLOCK=hb,
             D_BLOCK=db,
-            CHUNK=1 if hb > 1 else _MERGE_TILE // db,
+            CHUNK=_MERGE_CHUNK if (hb, db) == (1, _MERGE_MIN_D_BLOCK) else 1,
             num_warps=4,
         )
     return out

@@ -73,3 +73,22 @@ def test_labelled_scopes_cover_the_model_and_are_removed(tmp_path):
         assert any(type(m).__name__ == "DeepseekV3DecoderLayer" for m in wrapped)
     assert all("forward" not in m.__dict__ for m in model.modules())
     assert {id(m): m.forward for m in model.modules()}.keys() == before.keys()
+
+
+def test_shared_slot_gemms_are_labelled_shared_expert(tmp_path, monkeypatch):
+    # outside the fused kernel's batch sizes the shared slots run as dense GEMMs called from
+    # the MoE block (whose scope is "router"): their own scope puts them on the shared row
+    from moeserve.layers.moe import RoutedExperts
+    from moeserve.loader.safetensors import load_safetensors_model
+
+    # the GPU GEMMs themselves are not the point here: a CPU stand-in with the same name
+    monkeypatch.setattr(RoutedExperts, "shared_dense", lambda self, x: x * 2)
+    wc = write_checkpoint(str(tmp_path / "k"), "deepseek-v3", "fp8-block", seed=1)
+    model = load_safetensors_model(wc.path, torch.float32).model
+    experts = next(m for m in model.modules() if isinstance(m, RoutedExperts))
+    assert experts.layout.num_shared == 1
+    with labelled(model), torch.profiler.profile() as prof:
+        assert torch.equal(experts.shared_dense(torch.ones(1, 4)), torch.full((1, 4), 2.0))
+    assert "moeserve::shared expert" in {e.name for e in prof.events()}
+    assert "shared_dense" not in experts.__dict__
+    assert component_of("shared expert", "fp8_block_gemm", "router") == "shared expert"
