@@ -18,3 +18,19 @@ def git_commit(given: str | None = None, mark_dirty: bool = False) -> str:
     if mark_dirty and git("status", "--porcelain"):
         commit += "+uncommitted"
     return commit
+
+
+def gpu_meta(commit: str | None = None) -> dict[str, str]:
+    """What a GPU benchmark record says about where it ran: GPU, torch, triton, python, commit."""
+    import platform
+
+    import torch
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "commit": git_commit(commit),
+    }

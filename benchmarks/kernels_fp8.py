@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 from pathlib import Path
 
 import torch
-import triton
-from common import git_commit
+from common import gpu_meta
 from kernels_gemm_moe import graph_time_us, n_copies
 
 from moeserve.kernels import fp8_block_gemm as f8
@@ -308,13 +306,7 @@ def main() -> int:
         log("needs a CUDA GPU")
         return 2
     skip = set(filter(None, args.skip.split(",")))
-    meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "commit": args.commit or git_commit(),
-    }
+    meta = gpu_meta(args.commit)
     records: list = []
     checks: list = []
     if "gemm" not in skip:

@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import sys
 from pathlib import Path
 
 import torch
-import triton
-from common import git_commit
+from common import gpu_meta
 from kernels_gemm_moe import HBM_BYTES_PER_S, graph_time_us, n_copies
 
 from moeserve.kernels import mla_absorb as ma
@@ -184,13 +182,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         log("needs a CUDA GPU")
         return 2
-    meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "commit": args.commit or git_commit(),
-    }
+    meta = gpu_meta(args.commit)
     records: list = []
     checks: list = []
     bench(records, checks, args.sweep)

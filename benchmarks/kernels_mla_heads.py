@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import sys
 from pathlib import Path
 
 import torch
-import triton
-from common import git_commit
+from common import gpu_meta
 from kernels_gemm_moe import graph_time_us
 
 from moeserve.kernels import mla_decode as md
@@ -112,13 +110,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
-    meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "commit": args.commit or git_commit(),
-    }
+    meta = gpu_meta(args.commit)
     records = [r for case in CASES for r in run_case(*case)]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

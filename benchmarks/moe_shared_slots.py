@@ -10,12 +10,10 @@ CUDA graph of REPS calls on rotating inputs. Writes moe_shared_slots.{json,md} t
 import argparse
 import dataclasses
 import json
-import platform
 import sys
 from pathlib import Path
 
 import torch
-import triton
 
 from moeserve.config import ModelConfig
 from moeserve.layers.moe import DeepseekMoE
@@ -86,7 +84,7 @@ def main() -> int:
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
-    from common import git_commit
+    from common import gpu_meta
 
     slot, sep = build(True), build(False)
     assert slot.shared_slots == 1 and sep.shared_slots == 0
@@ -114,9 +112,7 @@ def main() -> int:
                  slots_in_kernel=slot.experts.runs_shared_slots(x), rel_diff=err)
         )  # fmt: skip
         print(records[-1], flush=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, python=platform.python_version(),
-                commit=args.commit or git_commit())  # fmt: skip
+    meta = gpu_meta(args.commit)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "moe_shared_slots.json").write_text(
