@@ -15,6 +15,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))  # the sibling benchmark modules
+from common import gpu_meta  # noqa: E402
+from kernels_gemm_moe import graph_time_us  # noqa: E402
+
 from moeserve.config import ModelConfig
 from moeserve.layers.moe import DeepseekMoE
 from moeserve.layers.quant.fp8_block import Fp8BlockConfig
@@ -53,29 +57,8 @@ def time_layer(m: DeepseekMoE, rows: int) -> float:
     xs = [
         torch.randn(rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(REPS)
     ]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for x in xs:
-            m(x)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
-        for x in xs:
-            m(x)
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(30):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / REPS)
-    times.sort()
-    return times[len(times) // 2]
+    # one graph of REPS layer calls, one per input (graph_time_us warms each up first)
+    return graph_time_us([lambda x=x: m(x) for x in xs], calls=REPS, reps=30)["us"]
 
 
 def main() -> int:
@@ -83,8 +66,6 @@ def main() -> int:
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).parent))
-    from common import gpu_meta
 
     slot, sep = build(True), build(False)
     assert slot.shared_slots == 1 and sep.shared_slots == 0
