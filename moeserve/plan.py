@@ -583,6 +583,7 @@ class Plan:
     choices: list[KernelChoice]
     kv_need_tokens: int  # what the KV cache must hold for the deployment to fit
     index_total: int | None  # a safetensors index's total_size (all ranks, as stored)
+    shared_slots: int = 0  # shared experts held as slots of the routed banks (layers/moe.py)
 
     @property
     def hosts(self) -> int:
@@ -731,6 +732,9 @@ def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig
         choices=choices,
         kv_need_tokens=need,
         index_total=_index_total(path),
+        shared_slots=next(
+            (m.shared_slots for m in model.modules() if hasattr(m, "shared_slots")), 0
+        ),
     )
 
 
@@ -784,6 +788,13 @@ def format_plan(plan: Plan, suggestion: int | None = None) -> str:
             f"routed experts per GPU: {plan.weights.experts_per_rank} of "
             f"{cfg.n_routed_experts} per MoE layer, {how}"
         )
+    if cfg.n_routed_experts and cfg.n_shared_experts:
+        where = (
+            "slots of the fused MoE beside the routed experts"
+            if plan.shared_slots
+            else "a separate MLP (stored unlike the routed experts, or expert parallel)"
+        )
+        lines.append(f"shared experts: {cfg.n_shared_experts} per MoE layer, {where}")
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.weights.by_part.items() if v)
     lines.append(f"weights per GPU: {_gib(plan.weights.total)} ({parts})")
     if plan.index_total is not None:

@@ -327,3 +327,15 @@ def test_choices_follow_what_the_checkpoint_quantizes(tmp_path):
     assert "NVFP4 linears" not in c
     assert c["routed experts"].choice == "fused Triton NVFP4 MoE"
     assert c["NVFP4 activations"].fallback  # W4A4 experts still run weight-only
+
+
+def test_plan_says_where_the_shared_experts_run(capsys):
+    # DeepSeek-V3 FP8 and Kimi-K2.5 NVFP4 store their shared expert like the routed ones:
+    # slots of the fused MoE; expert parallelism keeps them a separate MLP
+    for path in (DSV3, KIMI):
+        rc, out = _run(capsys, path, "--gpu", "h200", "--num-gpus", "8")
+        assert rc == 0, out
+        assert "shared experts: 1 per MoE layer, slots of the fused MoE" in out
+    rc, out = _run(capsys, KIMI, "--gpu", "h200", "--num-gpus", "8", "--enable-expert-parallel")
+    assert rc == 0, out
+    assert "shared experts: 1 per MoE layer, a separate MLP" in out
