@@ -139,18 +139,10 @@ def mergeable_gate_up(quant: QuantConfig | None, prefix: str, local_inter: int) 
     weights, or the same weight scheme without per-tensor scalars whose blocks the rank's
     `local_inter` gate rows fill whole (block-FP8: 128-row scale blocks then concatenate;
     NVFP4's per-tensor global scales would not, nor the CPU's repacked formats)."""
-    methods = [
-        (quant or NoQuant()).linear_method(f"{prefix}.{p}") for p in ("gate_proj", "up_proj")
-    ]
-    if all(isinstance(m, UnquantizedLinearMethod) for m in methods):
-        return True
-    schemes = [getattr(m, "scheme", None) for m in methods]
-    if not all(isinstance(s, WeightScheme) for s in schemes):
+    gate = _linear_scheme(quant, f"{prefix}.gate_proj")
+    if gate is None or not _same_scheme(_linear_scheme(quant, f"{prefix}.up_proj"), gate):
         return False
-    a, b = schemes
-    if type(a) is not type(b) or vars(a) != vars(b):
-        return False
-    specs = a.specs(local_inter, local_inter, torch.float32)
+    specs = gate.specs(local_inter, local_inter, torch.float32)
     return all(s.out_dim is not None and local_inter % s.out_block == 0 for s in specs)
 
 
