@@ -334,9 +334,7 @@ class MLAAttention(nn.Module):
             method = layer.method
             stored: tuple[torch.Tensor, torch.Tensor | None] | None = None
             if isinstance(method, SchemeLinearMethod):
-                stored = method.scheme.elementwise_view(
-                    {s: getattr(layer, s) for s in layer.scheme_suffixes}
-                )
+                stored = method.scheme.elementwise_view(method.tensors(layer))
             elif isinstance(method, UnquantizedLinearMethod):
                 stored = (layer.weight, None)
             if stored is not None:

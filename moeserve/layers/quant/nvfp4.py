@@ -123,7 +123,7 @@ class Nvfp4LinearMethod(SchemeLinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.nvfp4_kernel_args = None  # (packed, scale, global [1], plan) on a GPU
-        tensors = {s: getattr(layer, s) for s in layer.scheme_suffixes}
+        tensors = self.tensors(layer)
         packed, scale, gs = self.scheme.nvfp4_view(tensors)
         dev = packed.device
         if dev.type != "cuda" or not gpu_kernels_enabled(dev):

@@ -104,13 +104,18 @@ class SchemeLinearMethod(LinearMethod):
             setattr(layer, s.suffix, p)
             layer.scheme_suffixes.append(s.suffix)
 
+    @staticmethod
+    def tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
+        """The layer's stored tensors by checkpoint suffix (what the scheme's methods take)."""
+        return {s: getattr(layer, s) for s in layer.scheme_suffixes}
+
     def dense_weight(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-        return self.scheme.dequantize({s: getattr(layer, s) for s in layer.scheme_suffixes}, dtype)
+        return self.scheme.dequantize(self.tensors(layer), dtype)
 
     def prepare_cuda_graph(self, layer: nn.Module, max_tokens: int, shared: dict) -> None:
         """Bind the split-K workspace shared by all GPU GEMMs (they run one after another on
         one stream and leave it zeroed), so a captured GEMM allocates nothing per call."""
-        tensors = {s: getattr(layer, s) for s in layer.scheme_suffixes}
+        tensors = self.tensors(layer)
         dev = tensors[layer.scheme_suffixes[0]].device
         if dev.type != "cuda" or not gpu_kernels_enabled(dev):
             return
@@ -122,7 +127,7 @@ class SchemeLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and gpu_kernels_enabled(x.device):
             x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-            tensors = {s: getattr(layer, s) for s in layer.scheme_suffixes}
+            tensors = self.tensors(layer)
             ws = getattr(layer, "splitk_workspace", None)
             if ws is not None and not splitk_fits(ws, x2.shape[0], layer.local_output):
                 ws = None  # a bigger (eager) batch: the kernel allocates its own
