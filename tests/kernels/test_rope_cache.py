@@ -67,6 +67,7 @@ def _caches(num_pages: int, page_size: int, dtype: torch.dtype):
         (6, 5, 1, torch.bfloat16, FP8),
         (9, 16, 64, torch.float32, torch.bfloat16),
         (1, 64, 64, torch.bfloat16, torch.bfloat16),
+        (3, 40, 64, torch.bfloat16, FP8),  # head blocks of 16: two full, one partial
     ],
 )
 def test_rope_and_write_match_reference_and_rotary_embedding(
