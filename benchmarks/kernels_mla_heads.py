@@ -67,7 +67,7 @@ def run_case(heads: int, ctx: int, cap: int, batch: int) -> list[dict]:
         err = float((out.float() - ref).abs().max() / ref.abs().max())
         rows.append(
             dict(heads=heads, ctx=ctx, cap=cap, batch=batch, config=name, splits=splits, us=us,
-                 rel_err=err, ok=err < 3e-2, default=cfg == md.default_config(heads))
+                 rel_err=err, ok=err < 3e-2, default=cfg == md.default_config(heads, batch, cap))
         )  # fmt: skip
     print(
         f"H={heads} ctx={ctx} cap={cap} B={batch}: "
@@ -85,7 +85,8 @@ def write_markdown(path: Path, meta: dict, records: list) -> None:
         f"GPU {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit "
         f"{meta['commit']}. benchmarks/kernels_mla_heads.py: us per call, graph-timed, BF16 "
         "cache, page 64, each config with its own default split count; **bold** = "
-        "`default_config` for that head count. Checks against the fp32 reference: "
+        "`default_config` for that head count, batch and capacity. Checks against the fp32 "
+        "reference: "
         f"{sum(r['ok'] for r in records)}/{len(records)}.",
         "",
         "| heads | context (capacity) | batch | " + " | ".join(names) + " |",

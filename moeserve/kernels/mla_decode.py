@@ -101,13 +101,25 @@ class MLADecodeConfig:
 DEFAULT_CONFIG = MLADecodeConfig()
 # 16 heads or fewer (the TP8 share of 128): a 64-row head block would be three-quarters
 # masked rows; 16-row blocks with 8 warps were 10-25% faster at every batch and context
-# measured (benchmarks/results/kernels_mla_heads.md).
+# measured (benchmarks/results/kernels_mla_heads.md). With more heads they also win where
+# little KV is streamed per call, batch x capacity <= 8192 tokens (128 heads at capacity
+# 1024, batch 1-8: 9.6-12.6 us against 13.1-30.2 us; at 4096, batch 1-2: 18.3 / 33.6
+# against 20.5 / 37.4 us), and lose beyond (capacity 1024 batch 64: 31 against 15 us).
 SMALL_HEADS_CONFIG = MLADecodeConfig(block_h=16, num_warps=8)
+_SMALL_BLOCKS_MAX_TOKENS = 8192
 
 
-def default_config(num_heads: int) -> MLADecodeConfig:
-    """The launch config used when none is given: by the (per-rank) head count."""
-    return SMALL_HEADS_CONFIG if num_heads <= SMALL_HEADS_CONFIG.block_h else DEFAULT_CONFIG
+def default_config(
+    num_heads: int, batch: int | None = None, max_context: int | None = None
+) -> MLADecodeConfig:
+    """The launch config used when none is given: by the (per-rank) head count and, when
+    known, the static batch x cache capacity of the launch."""
+    if num_heads <= SMALL_HEADS_CONFIG.block_h:
+        return SMALL_HEADS_CONFIG
+    if batch is not None and max_context is not None:
+        if batch * max_context <= _SMALL_BLOCKS_MAX_TOKENS:
+            return SMALL_HEADS_CONFIG
+    return DEFAULT_CONFIG
 
 
 @dataclass
@@ -165,7 +177,7 @@ def default_num_splits(
     Depends only on static sizes (``max_context`` = block_tables capacity), so it is the
     same for every replay of a captured graph.
     """
-    config = config or default_config(num_heads)
+    config = config or default_config(num_heads, batch, max_context)
     head_groups = triton.cdiv(num_heads, config.block_h)
     programs = batch * head_groups * config.vsplit
     want = max(1, (config.ctas_per_sm * sm_count) // programs)
@@ -490,16 +502,16 @@ def mla_decode(
     """Absorbed MLA decode attention; writes ``out [B, H, 512]`` and returns it.
 
     ``num_splits`` defaults to :func:`default_num_splits` of the static sizes and ``config``
-    to :func:`default_config` of the head count. ``kv_scale``
+    to :func:`default_config` of the head count, batch and cache capacity. ``kv_scale``
     is required for (and only used with) a float8_e4m3fn cache. See the module docstring
     for layouts and CUDA-graph use of ``workspace``.
     """
     _check_inputs(q, kv_cache, block_tables, seq_lens, out, kv_scale)
     batch, heads = q.shape[0], q.shape[1]
     page_size = kv_cache.shape[1]
-    config = config or default_config(heads)
+    max_context = block_tables.shape[1] * page_size
+    config = config or default_config(heads, batch, max_context)
     if num_splits is None:
-        max_context = block_tables.shape[1] * page_size
         num_splits = default_num_splits(batch, heads, max_context, config, _sm_count(q.device))
     num_splits = int(num_splits)
     if not 1 <= num_splits <= MAX_SPLITS:

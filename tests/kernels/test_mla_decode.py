@@ -175,9 +175,21 @@ def test_default_config_follows_the_head_count():
     assert mla_decode_mod.default_config(8) == mla_decode_mod.SMALL_HEADS_CONFIG
     assert mla_decode_mod.default_config(17) == mla_decode_mod.DEFAULT_CONFIG
     assert mla_decode_mod.default_num_splits(1, 16, 4096, sm_count=132) == 32  # 132 // 1 group
-    assert mla_decode_mod.default_num_splits(1, 128, 4096, sm_count=132) == 32  # 4096 / 128
+    assert mla_decode_mod.default_num_splits(1, 128, 16384, sm_count=132) == 66  # 132 // 2
     assert mla_decode_mod.default_num_splits(4, 16, 1 << 20, sm_count=132) == 33
     assert mla_decode_mod.default_num_splits(4, 128, 1 << 20, sm_count=132) == 16
+
+
+def test_default_config_takes_small_blocks_where_little_kv_is_streamed():
+    # 128 heads at batch x capacity <= 8192 tokens take 16-row blocks, beyond 64-row ones
+    md = mla_decode_mod
+    assert md.default_config(128, 1, 1024) == md.SMALL_HEADS_CONFIG
+    assert md.default_config(128, 8, 1024) == md.SMALL_HEADS_CONFIG
+    assert md.default_config(128, 2, 4096) == md.SMALL_HEADS_CONFIG
+    assert md.default_config(128, 16, 1024) == md.DEFAULT_CONFIG
+    assert md.default_config(128, 1, 32768) == md.DEFAULT_CONFIG
+    # the split count follows the config: 8 head groups of 16 at batch 1, capacity 1024
+    assert md.default_num_splits(1, 128, 1024, sm_count=132) == 8
     q, cache, bt, seq, kv_scale = make_case([70, 9], 8, 64, torch.bfloat16, seed=11)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, None, None)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
@@ -206,3 +218,4 @@ def test_merge_of_head_blocks_with_a_ragged_last_block():
     mla_decode_mod.mla_decode(q, cache, bt, seq, 0.1352, out, None, 3, ws, SMALL)
     ref = mla_decode_mod.mla_decode_ref(q, cache, bt, seq, 0.1352, torch.empty(26, 21, 512))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
