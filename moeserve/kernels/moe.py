@@ -24,6 +24,8 @@ round trips through memory; a last small kernel sums each token's k rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -271,18 +273,35 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _block_slots(sorted_ptr, pid_b, Mk, MP: tl.constexpr):
-    """The slots of aligned block pid_b (MP of them; the rest, and padding, are Mk)."""
+def _block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT: tl.constexpr):
+    """Expert of block pid_b, or -1 (skip the block). Aligned blocks carry -1 themselves;
+    direct blocks (see _block_slots) read the routed id, which is out of [0, E) for another
+    rank's expert."""
+    expert = tl.load(expert_ids_ptr + pid_b)
+    if DIRECT:
+        expert = tl.where((expert >= 0) & (expert < num_experts), expert, -1)
+    return expert
+
+
+@triton.jit
+def _block_slots(sorted_ptr, pid_b, Mk, MP: tl.constexpr, DIRECT: tl.constexpr = 0):
+    """The slots of aligned block pid_b (MP of them; the rest, and padding, are Mk). DIRECT:
+    one token's slots, which name distinct experts, so block b is slot b alone and
+    expert_ids is the routed ids themselves: no alignment launch."""
+    if DIRECT:
+        s0 = pid_b
+    else:
+        s0 = tl.load(sorted_ptr + pid_b * MP)
     base = sorted_ptr + pid_b * MP
-    s0 = tl.load(base)
     s1 = s0 * 0 + Mk
     s2 = s1
     s3 = s1
-    if MP > 1:
-        s1 = tl.load(base + 1)
-    if MP > 2:
-        s2 = tl.load(base + 2)
-        s3 = tl.load(base + 3)
+    if not DIRECT:
+        if MP > 1:
+            s1 = tl.load(base + 1)
+        if MP > 2:
+            s2 = tl.load(base + 2)
+            s3 = tl.load(base + 3)
     return s0, s1, s2, s3
 
 
@@ -305,6 +324,7 @@ def _moe_gate_up_gemv_kernel(
     inter_ptr,
     sorted_ptr,
     expert_ids_ptr,
+    num_experts,
     Mk,
     INTER,
     H,
@@ -318,6 +338,7 @@ def _moe_gate_up_gemv_kernel(
     PREFETCH: tl.constexpr,
     STAGES: tl.constexpr = 0,
     F16: tl.constexpr = 0,
+    DIRECT: tl.constexpr = 0,
 ):
     """CUDA-core decode path of _moe_gate_up_kernel: block pid(0) (MP slots of one expert),
     gate rows and up rows of column tile pid(1) decoded as one [2*BLOCK_N] row tile, so every
@@ -325,12 +346,12 @@ def _moe_gate_up_gemv_kernel(
     weight tile at about the same time, from L2 after the first."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(expert_ids_ptr + pid_b)
+    expert = _block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
     if expert < 0:
         return
     BW: tl.constexpr = BLOCK_K // 8
     KW = H // 8
-    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP)
+    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP, DIRECT)
     r = tl.arange(0, 2 * BLOCK_N)
     offs_n = pid_n * BLOCK_N + r % BLOCK_N
     w_row = offs_n + (r >= BLOCK_N).to(tl.int32) * INTER
@@ -368,6 +389,45 @@ def _moe_gate_up_gemv_kernel(
 
 
 @triton.jit
+def _combine_if_last(
+    counter_ptr,
+    y_ptr,
+    ids_ptr,
+    out_ptr,
+    Mk,
+    H,
+    num_experts,
+    pid_n,
+    BLOCK_N: tl.constexpr,
+    SLOTS_P2: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
+    """Down + combine in one launch for one token (direct blocks): each program of column
+    tile pid_n arrives at the tile's counter once its y rows are stored; the last to arrive
+    sums the tile over the token's slots (as _moe_combine_kernel does) and resets the
+    counter for the next launch (CUDA-graph replays included). The slots' rows are one
+    load, so the tail costs one L2 round trip, not one per slot."""
+    tl.debug_barrier()  # every thread's y stores precede the release below
+    arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        msk = offs < H
+        j = tl.arange(0, SLOTS_P2)
+        e = tl.load(ids_ptr + j, mask=j < Mk, other=-1)
+        ok = (j < Mk) & (e >= 0) & (e < num_experts)
+        # one token's slots: j * H stays far below 2^31. .cg: other SMs wrote these rows;
+        # read them from L2, never a stale L1 line
+        rows = y_ptr + j[:, None] * H + offs[None, :]
+        acc = tl.sum(
+            tl.load(rows, mask=ok[:, None] & msk[None, :], other=0.0, cache_modifier=".cg"), 0
+        )
+        if ACCUMULATE:
+            acc += tl.load(out_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=msk)
+        tl.store(counter_ptr + pid_n, 0)
+
+
+@triton.jit
 def _store_down(acc, slot, Mk, gs, topk_w_ptr, y_ptr, offs_n, H):
     ok = slot < Mk
     wt = tl.load(topk_w_ptr + slot, mask=ok, other=0.0)
@@ -384,7 +444,10 @@ def _moe_down_gemv_kernel(
     y_ptr,
     sorted_ptr,
     expert_ids_ptr,
+    num_experts,
     topk_w_ptr,
+    out_ptr,
+    counter_ptr,
     Mk,
     H,
     INTER,
@@ -396,16 +459,26 @@ def _moe_down_gemv_kernel(
     PREFETCH: tl.constexpr,
     STAGES: tl.constexpr = 0,
     F16: tl.constexpr = 0,
+    DIRECT: tl.constexpr = 0,
+    COMBINE: tl.constexpr = 0,  # 0, or the token's slots rounded up to a power of two
+    ACCUMULATE: tl.constexpr = 0,
 ):
-    """CUDA-core decode path of _moe_down_kernel (same outputs), grid like the gate_up GEMV."""
+    """CUDA-core decode path of _moe_down_kernel (same outputs), grid like the gate_up GEMV.
+    COMBINE (direct blocks only): the combine too, out = sum of the slots' rows (see
+    _combine_if_last)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(expert_ids_ptr + pid_b)
+    expert = _block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
     if expert < 0:
+        if COMBINE:
+            _combine_if_last(
+                counter_ptr, y_ptr, expert_ids_ptr, out_ptr, Mk, H, num_experts, pid_n,
+                BLOCK_N, COMBINE, ACCUMULATE,
+            )  # fmt: skip
         return
     BW: tl.constexpr = BLOCK_K // 8
     KW = INTER // 8
-    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP)
+    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP, DIRECT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = expert.to(tl.int64) * H + offs_n[:, None]
     x_rows, oks = slot_x_rows(a_ptr, (s0, s1, s2, s3), 1, INTER, Mk)
@@ -435,6 +508,11 @@ def _moe_down_gemv_kernel(
     if MP > 2:
         _store_down(acc2, s2, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
         _store_down(acc3, s3, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
+    if COMBINE:
+        _combine_if_last(
+            counter_ptr, y_ptr, expert_ids_ptr, out_ptr, Mk, H, num_experts, pid_n,
+            BLOCK_N, COMBINE, ACCUMULATE,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -620,6 +698,44 @@ def moe_align(
     return sorted_ids, expert_ids
 
 
+def combine_counters_needed(hidden: int) -> int:
+    """Elements of the zeroed scratch that one-token GEMV calls combine with: one counter per
+    column tile of the down launch, whatever its tile width (>= 1 column)."""
+    return hidden
+
+
+@dataclass(frozen=True)
+class CombineInto:
+    """Where the combine step writes: `out` [M, H], added to when `accumulate`, and the
+    caller's zeroed counters for a combine inside the down launch (None: allocated)."""
+
+    out: torch.Tensor
+    accumulate: bool
+    counters: torch.Tensor | None = None
+
+    def counters_for(self, hidden: int, block_n: int, device: torch.device) -> torch.Tensor:
+        tiles = triton.cdiv(hidden, block_n)
+        if self.counters is None:
+            return torch.zeros(tiles, dtype=torch.int32, device=device)
+        if self.counters.numel() < tiles or self.counters.dtype != torch.int32:
+            raise ValueError(f"combine_counters must be int32 with >= {tiles} elements")
+        return self.counters
+
+
+def gemv_blocks(
+    topk_ids: torch.Tensor, num_experts: int, slots_per_block: int
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(sorted slot ids, expert per block, direct) for the GEMV kernels. One token: each slot
+    is a block of its own and the routed ids are the blocks' experts (direct, no alignment
+    launch; correct even if two slots named one expert, which top-k never does). More tokens:
+    ``moe_align``."""
+    if topk_ids.shape[0] == 1:
+        ids = topk_ids.reshape(-1)
+        return ids, ids, True
+    sorted_ids, expert_ids = moe_align(topk_ids, num_experts, slots_per_block)
+    return sorted_ids, expert_ids, False
+
+
 def _check_moe_args(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs) -> None:
     m, h = x.shape
     e, two_i, h_half = w13.shape
@@ -662,6 +778,7 @@ def fused_moe_nvfp4(
     decode: int | None = None,
     kernel: str | None = None,
     accumulate: bool = False,
+    combine_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused NVFP4 MoE, see the module docstring for layouts. Graph-capturable (no host sync);
     temporaries come from the caching allocator (the graph's pool under capture).
@@ -669,7 +786,10 @@ def fused_moe_nvfp4(
     `kernel`: "gemv" (CUDA-core decode path, blocks of a few slots), "gemv_mma" (register-fed
     mma.sync, blocks of up to 8 slots, GPU only), "mma" (tensor-core tl.dot) or None:
     gemv_mma between tiles.json's "moe_gemv_mma" min_m and max_m tokens (where the shapes
-    allow and the start-up probe passed), else GEMV up to "moe_gemv"'s max_m, else mma."""
+    allow and the start-up probe passed), else GEMV up to "moe_gemv"'s max_m, else mma.
+    `combine_counters`: zeroed int32 scratch of at least `combine_counters_needed(H)`
+    elements that one-token GEMV calls use to combine inside the down launch (left zeroed
+    again); allocated per call when not given."""
     _check_moe_args(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs)
     topk_ids = topk_ids.to(torch.int32).contiguous()  # no-op for the router's output
     m, h = x.shape
@@ -694,7 +814,17 @@ def fused_moe_nvfp4(
             kernel = "gemv_mma"
     if kernel == "gemv":
         cfg = {**tile_config("moe_gemv", m, key), **(gate_up_config or {})}
-        y = _moe_gemv(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg, dec)
+        y = _moe_gemv(
+            x,
+            topk_ids,
+            tw,
+            (w13, w13_scale, w13_gs, w2, w2_scale, w2_gs),
+            cfg,
+            dec,
+            CombineInto(out, accumulate, combine_counters),
+        )
+        if y is None:  # combined by the down launch
+            return out
     elif kernel == "gemv_mma":
         cfg = {**tile_config("moe_gemv_mma", m, key), **(gate_up_config or {})}
         y = _moe_gemv_mma(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg)
@@ -730,15 +860,17 @@ def fused_moe_nvfp4(
     return out
 
 
-def _moe_gemv(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg, dec):
-    """Align into blocks of MP slots, then the two CUDA-core GEMV kernels -> y [M*k, H] fp32."""
+def _moe_gemv(x, topk_ids, tw, weights, cfg, dec, into: CombineInto):
+    """Align into blocks of MP slots, then the two CUDA-core GEMV kernels -> y [M*k, H] fp32;
+    None where the down launch also combined into `into.out` (one token)."""
+    w13, w13_scale, w13_gs, w2, w2_scale, w2_gs = weights
     m, h = x.shape
     num_e, two_i, _ = w13.shape
     inter_size = two_i // 2
     topk = topk_ids.shape[1]
     mk = m * topk
     mp, bn, bk = cfg["MP"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    sorted_ids, expert_ids = moe_align(topk_ids, num_e, mp)
+    sorted_ids, expert_ids, direct = gemv_blocks(topk_ids, num_e, mp)
     nb = expert_ids.numel()
     inter = torch.empty(mk, inter_size, dtype=x.dtype, device=x.device)
     y = torch.empty(mk, h, dtype=torch.float32, device=x.device)
@@ -750,6 +882,7 @@ def _moe_gemv(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg,
         inter,
         sorted_ids,
         expert_ids,
+        num_e,
         mk,
         inter_size,
         h,
@@ -763,10 +896,12 @@ def _moe_gemv(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg,
         PREFETCH=cfg.get("PREFETCH", 1),
         STAGES=cfg.get("STAGES", 0),
         F16=cfg.get("F16", 0),
+        DIRECT=direct,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
     bn2 = cfg.get("DOWN_BLOCK_N", bn)
+    counters = into.counters_for(h, bn2, x.device) if direct else None
     _moe_down_gemv_kernel[(nb, triton.cdiv(h, bn2))](
         inter,
         w2.view(torch.int32),
@@ -775,7 +910,10 @@ def _moe_gemv(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg,
         y,
         sorted_ids,
         expert_ids,
+        num_e,
         tw,
+        into.out,
+        counters if direct else y,
         mk,
         h,
         inter_size,
@@ -787,10 +925,13 @@ def _moe_gemv(x, topk_ids, tw, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs, cfg,
         PREFETCH=cfg.get("PREFETCH", 1),
         STAGES=cfg.get("STAGES", 0),
         F16=cfg.get("F16", 0),
+        DIRECT=direct,
+        COMBINE=triton.next_power_of_2(mk) if direct else 0,
+        ACCUMULATE=into.accumulate,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    return y
+    return None if direct else y
 
 
 def moe_gemv_mma_supported(w13: torch.Tensor, w2: torch.Tensor, cfg: dict[str, int]) -> bool:

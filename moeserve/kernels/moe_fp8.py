@@ -29,7 +29,16 @@ import triton.language as tl
 
 from moeserve.kernels.configs import max_rows, tile_config
 from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block, fp8_gemv_rows
-from moeserve.kernels.moe import COMBINE_BLOCK_H, _block_slots, _moe_combine_kernel, moe_align
+from moeserve.kernels.moe import (
+    COMBINE_BLOCK_H,
+    CombineInto,
+    _block_expert,
+    _block_slots,
+    _combine_if_last,
+    _moe_combine_kernel,
+    gemv_blocks,
+    moe_align,
+)
 from moeserve.kernels.splitk import interpreting, slot_x_rows
 
 # ----------------------------------------------------------------------------------------------
@@ -88,6 +97,7 @@ def _moe_gate_up_gemv_kernel(
     inter_ptr,
     sorted_ptr,
     expert_ids_ptr,
+    num_experts,
     Mk,
     INTER,
     H,
@@ -99,15 +109,16 @@ def _moe_gate_up_gemv_kernel(
     SCALED: tl.constexpr,
     K_ITERS: tl.constexpr,
     STAGES: tl.constexpr = 0,
+    DIRECT: tl.constexpr = 0,
 ):
     """inter[slot, n] = silu(gate) * up for the MP slots of block pid(0), columns of tile
     pid(1). Blocks vary fastest, so the blocks of one expert read a tile about together."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(expert_ids_ptr + pid_b)
+    expert = _block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
     if expert < 0:
         return
-    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP)
+    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP, DIRECT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < INTER)[:, None]
     g_rows = w_ptr + (expert.to(tl.int64) * 2 * INTER + offs_n[:, None]) * H
@@ -145,7 +156,10 @@ def _moe_down_gemv_kernel(
     y_ptr,
     sorted_ptr,
     expert_ids_ptr,
+    num_experts,
     topk_w_ptr,
+    out_ptr,
+    counter_ptr,
     Mk,
     H,
     INTER,
@@ -155,14 +169,23 @@ def _moe_down_gemv_kernel(
     SCALED: tl.constexpr,
     K_ITERS: tl.constexpr,
     STAGES: tl.constexpr = 0,
+    DIRECT: tl.constexpr = 0,
+    COMBINE: tl.constexpr = 0,  # 0, or the token's slots rounded up to a power of two
+    ACCUMULATE: tl.constexpr = 0,
 ):
-    """y[slot, n] = topk_weight[slot] * (inter[slot] @ W2_e^T)[n] in fp32."""
+    """y[slot, n] = topk_weight[slot] * (inter[slot] @ W2_e^T)[n] in fp32. COMBINE (direct
+    blocks only): out = the sum of the slots' rows too (moe.py's _combine_if_last)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(expert_ids_ptr + pid_b)
+    expert = _block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
     if expert < 0:
+        if COMBINE:
+            _combine_if_last(
+                counter_ptr, y_ptr, expert_ids_ptr, out_ptr, Mk, H, num_experts, pid_n,
+                BLOCK_N, COMBINE, ACCUMULATE,
+            )  # fmt: skip
         return
-    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP)
+    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP, DIRECT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = w_ptr + (expert.to(tl.int64) * H + offs_n[:, None]) * INTER
     kb = tl.cdiv(INTER, 128)
@@ -189,6 +212,11 @@ def _moe_down_gemv_kernel(
     if MP > 2:
         _store_y(a2, s2, Mk, topk_w_ptr, y_ptr, offs_n, H)
         _store_y(a3, s3, Mk, topk_w_ptr, y_ptr, offs_n, H)
+    if COMBINE:
+        _combine_if_last(
+            counter_ptr, y_ptr, expert_ids_ptr, out_ptr, Mk, H, num_experts, pid_n,
+            BLOCK_N, COMBINE, ACCUMULATE,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -345,14 +373,19 @@ def _aligned(x, ids, num_e, inter_size, block):
     return sorted_ids, expert_ids, inter, y, mk
 
 
-def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
+def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled, into: CombineInto):
+    """The two GEMV launches -> y [M*k, H] fp32, or None where the down launch also combined
+    into `into.out` (one token: direct blocks)."""
     h = x.shape[1]
     num_e, two_i, _ = w13.shape
     inter_size = two_i // 2
     topk = ids.shape[1]
     mp, bn, bn2, bk = cfg["MP"], cfg["BLOCK_N"], cfg["DOWN_BLOCK_N"], cfg["BLOCK_K"]
-    sorted_ids, expert_ids, inter, y, mk = _aligned(x, ids, num_e, inter_size, mp)
+    mk = ids.numel()
+    sorted_ids, expert_ids, direct = gemv_blocks(ids, num_e, mp)
     nb = expert_ids.numel()
+    inter = torch.empty(mk, inter_size, dtype=x.dtype, device=x.device)
+    y = torch.empty(mk, h, dtype=torch.float32, device=x.device)
     _moe_gate_up_gemv_kernel[(nb, triton.cdiv(inter_size, bn))](
         x,
         w13,
@@ -360,6 +393,7 @@ def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
         inter,
         sorted_ids,
         expert_ids,
+        num_e,
         mk,
         inter_size,
         h,
@@ -371,9 +405,11 @@ def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
         SCALED=scaled,
         K_ITERS=triton.cdiv(h, bk),
         STAGES=cfg.get("STAGES", 0),
+        DIRECT=direct,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    counters = into.counters_for(h, bn2, x.device) if direct else None
     _moe_down_gemv_kernel[(nb, triton.cdiv(h, bn2))](
         inter,
         w2,
@@ -381,7 +417,10 @@ def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
         y,
         sorted_ids,
         expert_ids,
+        num_e,
         tw,
+        into.out,
+        counters if direct else y,
         mk,
         h,
         inter_size,
@@ -391,10 +430,13 @@ def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
         SCALED=scaled,
         K_ITERS=triton.cdiv(inter_size, bk),
         STAGES=cfg.get("STAGES", 0),
+        DIRECT=direct,
+        COMBINE=triton.next_power_of_2(mk) if direct else 0,
+        ACCUMULATE=into.accumulate,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    return y
+    return None if direct else y
 
 
 def _mma(x, ids, tw, w13, s13, w2, s2, cfg, scaled):
@@ -473,10 +515,13 @@ def fused_moe_fp8(
     accumulate: bool = False,
     kernel: str | None = None,
     config: dict[str, int] | None = None,
+    combine_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused MoE on block-FP8 (scales given) or 16-bit weights, layouts in the module
     docstring; shapes are checked once by the caller (`check_fp8_moe_shapes`). `accumulate`
-    adds the result to `out`'s values. `kernel` "gemv" / "mma" / None (by row count)."""
+    adds the result to `out`'s values. `kernel` "gemv" / "mma" / None (by row count).
+    `combine_counters`: as for moe.fused_moe_nvfp4 (one-token GEMV calls combine inside
+    the down launch)."""
     m, h = x.shape
     num_e, two_i, _ = w13.shape
     if out is None:
@@ -495,9 +540,12 @@ def fused_moe_fp8(
     s2 = w2_scale if scaled else tw
     if scaled:  # e4m3 bytes, reinterpreted in the kernel
         w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
+    into = CombineInto(out, accumulate, combine_counters)
     if kernel == "gemv":
         cfg = {**tile_config(tile_table(scaled, "gemv"), m, key), **(config or {})}
-        y = _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled)
+        y = _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled, into)
+        if y is None:  # combined by the down launch
+            return out
     elif kernel == "mma":
         cfg = {**tile_config(tile_table(scaled, "mma"), m, key), **(config or {})}
         y = _mma(x, ids, tw, w13, s13, w2, s2, cfg, scaled)

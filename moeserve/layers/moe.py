@@ -388,6 +388,9 @@ class RoutedExperts(nn.Module):
         self._dtype = dtype  # activations
         self._nvfp4_args: tuple[torch.Tensor, ...] | None = None
         self._elementwise_args: tuple[torch.Tensor | None, ...] | None = None
+        self._hidden = hidden
+        # the fused kernels' one-token combine counters (zeroed; the kernel re-zeroes them)
+        self._combine_counters: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
         """Choose the GPU kernel once: the fused NVFP4 MoE (`_nvfp4_args`) or the fused
@@ -397,6 +400,11 @@ class RoutedExperts(nn.Module):
         first = next(iter(w13.values()))
         if first.device.type != "cuda" or not gpu_kernels_enabled(first.device):
             return
+        from moeserve.kernels.moe import combine_counters_needed
+
+        self._combine_counters = torch.zeros(
+            combine_counters_needed(self._hidden), dtype=torch.int32, device=first.device
+        )
         e13 = self.w13.scheme.elementwise_view(w13)
         e2 = self.w2.scheme.elementwise_view(self.w2.view())
         if e13 is not None and e2 is not None:
@@ -500,6 +508,7 @@ class RoutedExperts(nn.Module):
                 *self._nvfp4_args,
                 out=add_to,
                 accumulate=add_to is not None,
+                combine_counters=self._combine_counters,
             )
         if fused and self._elementwise_args is not None:
             from moeserve.kernels.moe_fp8 import fused_moe_fp8
@@ -511,6 +520,7 @@ class RoutedExperts(nn.Module):
                 *self._elementwise_args,
                 out=add_to,
                 accumulate=add_to is not None,
+                combine_counters=self._combine_counters,
             )
         out = torch.zeros_like(x) if add_to is None else add_to.clone()
         inter = self.w13.local_out

@@ -10,6 +10,9 @@ import torch  # noqa: E402
 from moeserve.kernels import moe  # noqa: E402
 from moeserve.kernels.nvfp4_format import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
 from moeserve.kernels.nvfp4_gemm import DECODE_ARITH, DECODE_BITS  # noqa: E402
+from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
+
+install_interpreter_shims()  # the one-token combine loops over a run-time slot count
 
 
 def _stack(e, n, k, gen):
@@ -131,15 +134,19 @@ def test_shape_checks(weights):
         moe.fused_moe_nvfp4(x, ids, tw, w13, s13, g13[:2], w2, s2, g2)
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "mma"])
-def test_other_ranks_experts_are_skipped_and_shared_output_accumulates(weights, kernel):
+@pytest.mark.parametrize("kernel,m", [("gemv", 6), ("gemv", 1), ("mma", 6)])
+def test_other_ranks_experts_are_skipped_and_shared_output_accumulates(weights, kernel, m):
     """Expert parallelism: ids outside [0, E) are another rank's experts and add nothing
     (the oracle: the reference on the same slots with those slots' weights zeroed); the
-    combine adds the given output (the shared expert's) instead of overwriting it."""
+    combine adds the given output (the shared expert's) instead of overwriting it. One token
+    takes the GEMV's direct blocks (no alignment), which must skip those ids themselves."""
     e, h, i, (w13, s13, g13), (w2, s2, g2) = weights
-    m, k = 6, 3
+    k = 3
     ids, tw = _route(m, e, k, 7)
     foreign = torch.rand(m, k, generator=torch.Generator().manual_seed(3)) < 0.4
+    # token 0: one id shifted above E (even), one below 0 (odd), one local
+    foreign[0] = torch.tensor([True, True, False])
+    ids[0] = torch.tensor([0, 1, 2 + int(ids[0, 2]) % (e - 2)], dtype=ids.dtype)
     ids_ep = torch.where(foreign, ids + e * torch.where(ids % 2 == 0, 1, -1), ids)
     x = torch.randn(m, h).to(torch.bfloat16)
     shared = torch.randn(m, h).to(torch.bfloat16)

@@ -10,6 +10,9 @@ import torch  # noqa: E402
 
 from moeserve.kernels.fp8_block_gemm import quantize_fp8_block  # noqa: E402
 from moeserve.kernels.moe_fp8 import check_fp8_moe_shapes, fused_moe_fp8  # noqa: E402
+from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
+
+install_interpreter_shims()  # the one-token combine loops over a run-time slot count
 
 E, H, INTER = 5, 192, 256  # H not a multiple of the 128 block: a partial scale block at the end
 
@@ -64,7 +67,13 @@ def _route(m, k, seed, foreign=False):
 
 @pytest.mark.parametrize(
     "m,k,kernel,foreign",
-    [(1, 2, "gemv", False), (3, 3, "gemv", True), (6, 2, "gemv", False), (5, 3, "mma", True)],
+    [
+        (1, 2, "gemv", False),  # one token: direct blocks, no alignment launch
+        (1, 3, "gemv", True),
+        (3, 3, "gemv", True),
+        (6, 2, "gemv", False),
+        (5, 3, "mma", True),
+    ],
 )
 def test_fused_moe_matches_oracle(bank, m, k, kernel, foreign):
     w13, s13, d13, w2, s2, d2 = bank
@@ -88,6 +97,29 @@ def test_accumulate_adds_to_out(bank):
     # where base and the MoE output cancel, the bf16 error of the MoE part is what remains
     atol = 1e-2 * moe.abs().max().item()
     torch.testing.assert_close(out.float(), moe + base.float(), rtol=2e-2, atol=atol)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_one_token_combines_in_the_down_launch_and_rezeroes_its_counters(bank, accumulate):
+    """One token: the down launch's last program per column tile combines (no combine
+    launch). Two calls share the caller's counters, as CUDA-graph replays do: each result
+    matches the oracle and the counters end zeroed."""
+    w13, s13, d13, w2, s2, d2 = bank
+    counters = torch.zeros(H, dtype=torch.int32)
+    cfg = dict(MP=1, BLOCK_N=64, DOWN_BLOCK_N=32, BLOCK_K=64)
+    for seed in (5, 6):
+        ids, tw = _route(1, 3, seed, foreign=seed == 6)
+        x = torch.randn(1, H, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        base = torch.randn(1, H, generator=torch.Generator().manual_seed(seed + 9))
+        out = base.to(torch.bfloat16)
+        fused_moe_fp8(
+            x, ids, tw, w13, s13, w2, s2, out=out, accumulate=accumulate, kernel="gemv",
+            config=cfg, combine_counters=counters,
+        )  # fmt: skip
+        want = _oracle(x, ids, tw, d13, d2) + (base.to(torch.bfloat16).float() if accumulate else 0)
+        atol = 1e-2 * want.abs().max().item()
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=atol)
+        assert not counters.any()
 
 
 def test_shape_check_rejects_unaligned_intermediate():
