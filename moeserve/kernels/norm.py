@@ -37,9 +37,9 @@ def _num_warps(block: int) -> int:
 def _norm_segment(x_row, y_row, w_ptr, n_cols, eps, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # HBM latency first
     x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_row + offs, (x * rstd * w).to(y_row.dtype.element_ty), mask=mask)
 
 
@@ -62,6 +62,9 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
+    # the weight first: at batch 1 it comes from HBM (the step's GEMVs evicted it from L2),
+    # and its latency then overlaps the activation loads and the reduction
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -69,7 +72,6 @@ def _rms_norm_kernel(
         tl.store(ro_ptr + row * stride_ro + offs, s, mask=mask)
         x = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = x * rstd * w
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
