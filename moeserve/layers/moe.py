@@ -552,11 +552,26 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
         self._fp32_out = False
+        # the one-launch gate GEMV + routing's scratch (GPU, where its kernel applies)
+        self.fused_workspace = None
 
     def process_weights_after_loading(self) -> None:
-        """Whether this torch has the bf16 GEMM with fp32 output (mm.dtype, CUDA only)."""
+        """Whether this torch has the bf16 GEMM with fp32 output (mm.dtype, CUDA only), and
+        the fused router's workspace where that kernel can serve this gate."""
         w = self.weight
         self._fp32_out = False
+        self.fused_workspace = None
+        if w.is_cuda and gpu_kernels_enabled(w.device):
+            from moeserve.kernels.router_fused import (
+                FUSED_WINS_MAX_TOKENS,
+                RouterFusedWorkspace,
+                fused_route_supported,
+            )
+
+            if fused_route_supported(w[:1], w):  # a one-token bf16 x of the gate's width
+                self.fused_workspace = RouterFusedWorkspace.create(
+                    w.shape[0], w.device, max_tokens=FUSED_WINS_MAX_TOKENS
+                )
         if w.is_cuda and w.dtype == torch.bfloat16:
             try:
                 torch.mm(w[:1], w[:1].t(), out_dtype=torch.float32)
@@ -675,7 +690,9 @@ class DeepseekMoE(nn.Module):
         self, x: torch.Tensor, shared_slots: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights fp32 [T, k + S], global expert ids [T, k + S]): one Triton kernel
-        after the gate GEMM on GPUs (kernels/router.py), the torch reference elsewhere. The
+        after the gate GEMM on GPUs (kernels/router.py), the GEMV and the routing in one
+        launch where that measured faster (one token, kernels/router_fused.py), the torch
+        reference elsewhere. The
         S last columns (S = `shared_slots`, default the layer's own) are the shared experts
         (ids E + j, weight 1.0, not scaled by routed_scaling_factor: a separate shared MLP is
         added with weight 1 too)."""
@@ -689,8 +706,21 @@ class DeepseekMoE(nn.Module):
             norm_topk_prob=c.norm_topk_prob,
             routed_scaling_factor=c.routed_scaling_factor,
         )
-        logits = self.gate(x)
         bias = self.gate.e_score_correction_bias
+        if self.gate.fused_workspace is not None:
+            from moeserve.kernels.router_fused import prefer_fused_route, route_fused
+
+            if prefer_fused_route(x, self.gate.weight):  # one launch for GEMV + routing
+                return route_fused(
+                    x,
+                    self.gate.weight,
+                    bias,
+                    c.num_experts_per_tok,
+                    shared_slots=slots,
+                    workspace=self.gate.fused_workspace,
+                    **kw,
+                )
+        logits = self.gate(x)
         if x.is_cuda and gpu_kernels_enabled(x.device):
             from moeserve.kernels.router import route
 
