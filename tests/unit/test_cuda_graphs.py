@@ -194,7 +194,8 @@ def test_mla_scratch_views_match_the_kernel_default_and_padding_reads_nothing():
     heads, ctx = 16, 1024
     scratch = MLADecodeScratch.allocate(4, heads, ctx, torch.bfloat16, "cpu", sm_count=132)
     for b in range(1, 5):
-        ws, splits = scratch.workspace(b, ctx)
+        kernel, ws, splits = scratch.workspace(b, ctx)
+        assert kernel is md.mla_decode  # no Gluon on a CPU
         assert splits == md.default_num_splits(b, heads, ctx, sm_count=132)
         assert ws.partial_out.shape == (b, heads, splits, 512)
         assert ws.partial_lse.shape == (b, heads, splits)
@@ -203,7 +204,7 @@ def test_mla_scratch_views_match_the_kernel_default_and_padding_reads_nothing():
         pytest.skip("the MLA kernel is compiled for a GPU here (tests/gpu cover it)")
     # a padding row (seq_len 0) between real ones, its page full of NaN: nothing is read
     q, cache, bt, seq, _ = make_case([37, 0, 5], heads, 16, torch.bfloat16, seed=3)
-    ws, splits = scratch.workspace(3, ctx)
+    _, ws, splits = scratch.workspace(3, ctx)
     assert splits > 1  # the partials and the merge are exercised
     out = torch.full((3, heads, 512), float("nan"), dtype=torch.bfloat16)
     small = md.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
@@ -212,6 +213,26 @@ def test_mla_scratch_views_match_the_kernel_default_and_padding_reads_nothing():
     md.mla_decode_ref(q, cache, bt, seq, 0.13, ref)
     assert not out[1].float().any()
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_mla_scratch_sizes_for_the_gluon_kernel_where_it_is_preferred():
+    # With the Gluon kernel available (decided once per cache), launches where it measured
+    # faster take it with its own split count, and the scratch holds those partials too.
+    import moeserve.kernels.mla_decode as md
+    import moeserve.kernels.mla_decode_gluon as mg
+
+    heads, ctx = 16, 32768
+    scratch = MLADecodeScratch.allocate(
+        8, heads, ctx, torch.bfloat16, "cpu", sm_count=132, gluon=True
+    )
+    for b in (1, 8):
+        kernel, ws, splits = scratch.workspace(b, ctx)
+        assert kernel is mg.mla_decode_gluon
+        assert splits == mg.gluon_default_num_splits(b, heads, ctx, 132)
+        assert ws.partial_out.shape == (b, heads, splits, 512)
+    # short capacity at batch 1 with few heads: the Triton kernel was faster
+    short = MLADecodeScratch.allocate(1, heads, 1024, torch.bfloat16, "cpu", 132, gluon=True)
+    assert short.workspace(1, 1024)[0] is md.mla_decode
 
 
 @pytest.mark.parametrize(("m", "kernel"), [(3, "gemv"), (3, "mma"), (17, "mma")])

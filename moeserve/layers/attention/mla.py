@@ -30,6 +30,7 @@ Two execution paths:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -95,21 +96,34 @@ def mergeable(
 
 @dataclass
 class MLADecodeScratch:
-    """Split-KV partials of the Triton decode kernel, shared by all MLA layers of a model
-    (their calls are stream-ordered). One flat buffer, viewed per batch, so a captured graph
-    uses fixed addresses; sized for every batch <= max_batch at the largest context."""
+    """Split-KV partials of the decode kernels, shared by all MLA layers of a model (their
+    calls are stream-ordered). One flat buffer, viewed per batch, so a captured graph uses
+    fixed addresses; sized for every batch <= max_batch at the largest context. `gluon`:
+    the Gluon kernel (kernels/mla_decode_gluon.py) can serve the cache, decided once at
+    allocation; which kernel serves a batch then follows from static sizes only."""
 
     partial_out: torch.Tensor  # flat, [rows * heads * 512] in the partials' dtype
     partial_lse: torch.Tensor  # flat fp32 [rows * heads]
     num_heads: int
     sm_count: int
+    gluon: bool = False
 
     @staticmethod
-    def num_splits(batch: int, num_heads: int, max_context: int, sm_count: int) -> int:
-        """The kernel's own default split count (so a view matches what it would allocate)."""
-        from moeserve.kernels.mla_decode import default_num_splits
+    def plan(
+        batch: int, num_heads: int, max_context: int, sm_count: int, gluon: bool
+    ) -> tuple[Callable, int]:
+        """(decode kernel, its default split count) for a launch of these static sizes: the
+        Gluon kernel where it can serve the cache and measured faster, else the Triton one."""
+        from moeserve.kernels import mla_decode as md
 
-        return default_num_splits(batch, num_heads, max_context, sm_count=sm_count)
+        if gluon:
+            from moeserve.kernels import mla_decode_gluon as mg
+
+            if mg.prefer_gluon(batch, num_heads, max_context):
+                splits = mg.gluon_default_num_splits(batch, num_heads, max_context, sm_count)
+                return mg.mla_decode_gluon, splits
+        splits = md.default_num_splits(batch, num_heads, max_context, sm_count=sm_count)
+        return md.mla_decode, splits
 
     @classmethod
     def allocate(
@@ -120,29 +134,34 @@ class MLADecodeScratch:
         dtype: torch.dtype,
         device: torch.device | str,
         sm_count: int,
+        gluon: bool = False,
     ) -> MLADecodeScratch:
         from moeserve.kernels.mla_decode import KV_LORA_RANK
 
         rows = max(
-            b * cls.num_splits(b, num_heads, max_context, sm_count) for b in range(1, max_batch + 1)
+            b * cls.plan(b, num_heads, max_context, sm_count, gluon)[1]
+            for b in range(1, max_batch + 1)
         )
         # the kernel's partials: fp32 for an fp32 output, else bf16 (see mla_decode)
         po_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
         po = torch.empty(rows * num_heads * KV_LORA_RANK, dtype=po_dtype, device=device)
         pl = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
-        return cls(po, pl, num_heads, sm_count)
+        return cls(po, pl, num_heads, sm_count, gluon)
 
-    def workspace(self, batch: int, max_context: int) -> tuple[MLADecodeWorkspace, int] | None:
-        """(workspace view, num_splits) for this batch, or None if it does not fit."""
+    def workspace(
+        self, batch: int, max_context: int
+    ) -> tuple[Callable, MLADecodeWorkspace, int] | None:
+        """(decode kernel, workspace view, num_splits) for this batch, or None if it does not
+        fit."""
         from moeserve.kernels.mla_decode import KV_LORA_RANK, MLADecodeWorkspace
 
-        splits = self.num_splits(batch, self.num_heads, max_context, self.sm_count)
+        kernel, splits = self.plan(batch, self.num_heads, max_context, self.sm_count, self.gluon)
         n = batch * self.num_heads * splits
         if n > self.partial_lse.numel():
             return None
         po = self.partial_out[: n * KV_LORA_RANK].view(batch, self.num_heads, splits, -1)
         pl = self.partial_lse[:n].view(batch, self.num_heads, splits)
-        return MLADecodeWorkspace(po, pl), splits
+        return kernel, MLADecodeWorkspace(po, pl), splits
 
 
 class MLAAttention(nn.Module):
@@ -255,9 +274,13 @@ class MLAAttention(nn.Module):
         key = f"mla_decode_scratch/{self.num_heads}/{dtype}"
         scratch = shared.get(key)
         if scratch is None:
+            from moeserve.kernels.mla_decode_gluon import gluon_mla_supported
+
             sm = torch.cuda.get_device_properties(dev).multi_processor_count
+            # a one-row query stands in for the real ones (same device and dtype)
+            gluon = gluon_mla_supported(self.kv_cache.new_empty(1, 1, 1), self.kv_cache)
             scratch = MLADecodeScratch.allocate(
-                max_batch, self.num_heads, max_context, dtype, dev, sm
+                max_batch, self.num_heads, max_context, dtype, dev, sm, gluon
             )
             shared[key] = scratch
         self._decode_scratch = scratch
@@ -425,10 +448,14 @@ class MLAAttention(nn.Module):
         o_lat = q.new_empty(tokens, heads, lat)
         n_dec = md.num_decode_seqs  # the leading one-token sequences = the first n_dec tokens
         if n_dec:
-            ws = None
+            kernel, ws, splits = mla_decode, None, None
             if self._decode_scratch is not None:
-                ws = self._decode_scratch.workspace(n_dec, md.block_tables.shape[1] * md.page_size)
-            mla_decode(
+                plan = self._decode_scratch.workspace(
+                    n_dec, md.block_tables.shape[1] * md.page_size
+                )
+                if plan is not None:
+                    kernel, ws, splits = plan
+            kernel(
                 q_abs[:n_dec],
                 self.kv_cache,
                 md.block_tables[:n_dec],
@@ -436,8 +463,8 @@ class MLAAttention(nn.Module):
                 self.scale,
                 o_lat[:n_dec],
                 kv_scale=kv_scale,
-                num_splits=ws[1] if ws else None,
-                workspace=ws[0] if ws else None,
+                num_splits=splits,
+                workspace=ws,
             )
         if n_dec < md.num_seqs:  # prefill chunks: causal over their cached context + themselves
             mla_prefill(
