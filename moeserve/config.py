@@ -465,6 +465,14 @@ class CacheConfig(_Settings):
         "MLA latent cache dtype (auto follows the checkpoint)",
         choices=("auto", "bf16", "fp8"),
     )
+    mla_decode_kernel: str = setting(
+        "auto",
+        "MLA decode attention kernel on GPUs in CUDA graphs: triton, or gluon (Hopper: TMA + "
+        "wgmma; BF16 cache, --page-size a multiple of 64); auto takes gluon where it can "
+        "serve and measured faster (cache capacity >= 4096 tokens, or > 16 heads per GPU at "
+        "batch >= 8)",
+        choices=("auto", "triton", "gluon"),
+    )
     enable_prefix_caching: bool = setting(
         True, "disable the prefix cache", negate="--no-prefix-caching"
     )

@@ -138,6 +138,46 @@ def effective_kv_cache_dtype(
     )
 
 
+def _mla_decode_choice(
+    capability: tuple[int, int],
+    kv_cache_dtype: torch.dtype,
+    page_size: int,
+    setting: str,
+    enforce_eager: bool,
+) -> KernelChoice:
+    """MLA decode on a GPU with the Triton kernels: the Gluon kernel (Hopper) where the
+    cache and --mla-decode-kernel allow it (layers/attention/mla.py), else the Triton one."""
+    from moeserve.kernels.mla_decode_gluon import GLUON_CAPABILITY, GLUON_PAGE_MULTIPLE
+
+    triton_choice = "Triton MLA decode (absorbed, split-KV)"
+    blockers = []
+    if setting == "triton":
+        blockers.append("--mla-decode-kernel triton")
+    if capability != GLUON_CAPABILITY:
+        blockers.append(f"the Gluon kernel is written for {_sm(GLUON_CAPABILITY)}")
+    if kv_cache_dtype != torch.bfloat16:
+        blockers.append("the Gluon kernel reads a BF16 cache")
+    if page_size % GLUON_PAGE_MULTIPLE:
+        blockers.append(
+            f"page size {page_size}: the Gluon kernel needs a multiple of "
+            f"{GLUON_PAGE_MULTIPLE} (--page-size {GLUON_PAGE_MULTIPLE})"
+        )
+    if enforce_eager:
+        blockers.append("--enforce-eager (the Gluon kernel serves CUDA-graph decode)")
+    if blockers:
+        return KernelChoice("MLA decode", triton_choice, "; ".join(blockers))
+    if setting == "gluon":
+        return KernelChoice(
+            "MLA decode", "Gluon MLA decode (TMA + wgmma)", "--mla-decode-kernel gluon"
+        )
+    return KernelChoice(
+        "MLA decode",
+        "Gluon MLA decode (TMA + wgmma) / Triton",
+        "Gluon where it measured faster (cache capacity >= 4096 tokens, or > 16 heads per "
+        "GPU at batch >= 8), Triton elsewhere",
+    )
+
+
 def kernel_choices(
     model_cfg: ModelConfig,
     quant: QuantConfig | None,
@@ -149,11 +189,14 @@ def kernel_choices(
     hosts: int = 1,
     all_reduce: str = "auto",
     enforce_eager: bool = False,
+    page_size: int = 16,
+    mla_decode_kernel: str = "auto",
 ) -> list[KernelChoice]:
     """The implementation of each part of the model on a device of `capability` (None: CPU),
     with the reason for each, fallbacks flagged. `kv_cache_dtype`: the cache dtype asked for
     (before the hardware's fallback); `interconnect`: how the GPUs of one host reach each
-    other; `all_reduce`: the --all-reduce setting."""
+    other; `all_reduce`: the --all-reduce setting; `page_size` / `mla_decode_kernel`: the
+    --page-size and --mla-decode-kernel settings."""
     from moeserve.kernels.select import BLACKWELL_CAPABILITY, select_kernel
 
     quant = quant or NoQuant()
@@ -313,10 +356,8 @@ def kernel_choices(
         layout = (model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim)
         if gpu and triton and layout == MLA_KERNEL_LAYOUT:
             out.append(
-                KernelChoice(
-                    "MLA decode",
-                    "Triton MLA decode (absorbed, split-KV)",
-                    f"the {layout[0]}+{layout[1]} latent layout",
+                _mla_decode_choice(
+                    capability, kv_cache_dtype, page_size, mla_decode_kernel, enforce_eager
                 )
             )
         elif gpu:
@@ -677,6 +718,8 @@ def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig
         hosts=hosts,
         all_reduce=engine.parallel.all_reduce,
         enforce_eager=engine.enforce_eager,
+        page_size=engine.cache.page_size,
+        mla_decode_kernel=engine.cache.mla_decode_kernel,
     )
     per_token = sum(layer.kv_cache_bytes_per_token(kv_dtype) for layer in model.attention_layers())
     sched = engine.scheduler

@@ -74,6 +74,10 @@ try:  # Gluon is experimental: any import problem means "not supported", never a
 except Exception:  # noqa: BLE001 (any failure disables the path)
     _GLUON_OK = False
 
+# what gluon_mla_supported asks of the device and the cache (also read by moeserve plan)
+GLUON_CAPABILITY = (9, 0)
+GLUON_PAGE_MULTIPLE = 64
+
 # wgmma's M is 64 rows per warpgroup: heads are padded to a 64-row block.
 BLOCK_H = 64
 NUM_WARPS = 8  # two warpgroups: one per half of the 512 value columns
@@ -88,7 +92,6 @@ _TMA_ALIGN_BYTES = 16
 # A split streams at least one tile: at batch 1 / 4k, one tile per program (64 splits) beat
 # two (benchmarks/results/kernels_mla_gluon.md, split variants).
 _MIN_TOKENS_PER_SPLIT = 64
-_SM90 = (9, 0)
 # Merge launch for many splits of one head (see _merge_launch).
 _MERGE_MANY_SPLITS = 32
 _MERGE_FINE_CHUNK = 32
@@ -495,19 +498,19 @@ def gluon_mla_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """True when :func:`mla_decode_gluon` can serve these tensors; False keeps Triton's.
 
     Needs Gluon, an sm_90 CUDA device, a BF16 cache whose page size is a multiple of
-    ``DEFAULT_GLUON_CONFIG.block_n`` (64), pages back to back (``stride(0) == page_size *
+    ``GLUON_PAGE_MULTIPLE`` (64, the default tile), pages back to back (``stride(0) == page_size *
     stride(1)``), rows contiguous, and 16-byte aligned cache base and row stride (TMA).
     """
     if not _GLUON_OK or not (q.is_cuda and kv_cache.is_cuda):
         return False
-    if torch.cuda.get_device_capability(kv_cache.device) != _SM90:
+    if torch.cuda.get_device_capability(kv_cache.device) != GLUON_CAPABILITY:
         return False
     if kv_cache.dtype != torch.bfloat16 or kv_cache.dim() != 3:
         return False
     if kv_cache.shape[-1] != LATENT_DIM or kv_cache.stride(-1) != 1:
         return False
     page_size = kv_cache.shape[1]
-    if page_size % DEFAULT_GLUON_CONFIG.block_n != 0:
+    if page_size % GLUON_PAGE_MULTIPLE != 0:
         return False
     if kv_cache.stride(0) != page_size * kv_cache.stride(1):
         return False

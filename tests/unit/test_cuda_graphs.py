@@ -223,7 +223,7 @@ def test_mla_scratch_sizes_for_the_gluon_kernel_where_it_is_preferred():
 
     heads, ctx = 16, 32768
     scratch = MLADecodeScratch.allocate(
-        8, heads, ctx, torch.bfloat16, "cpu", sm_count=132, gluon=True
+        8, heads, ctx, torch.bfloat16, "cpu", sm_count=132, gluon="prefer"
     )
     for b in (1, 8):
         kernel, ws, splits = scratch.workspace(b, ctx)
@@ -231,8 +231,11 @@ def test_mla_scratch_sizes_for_the_gluon_kernel_where_it_is_preferred():
         assert splits == mg.gluon_default_num_splits(b, heads, ctx, 132)
         assert ws.partial_out.shape == (b, heads, splits, 512)
     # short capacity at batch 1 with few heads: the Triton kernel was faster
-    short = MLADecodeScratch.allocate(1, heads, 1024, torch.bfloat16, "cpu", 132, gluon=True)
+    short = MLADecodeScratch.allocate(1, heads, 1024, torch.bfloat16, "cpu", 132, "prefer")
     assert short.workspace(1, 1024)[0] is md.mla_decode
+    # --mla-decode-kernel gluon: every launch
+    always = MLADecodeScratch.allocate(1, heads, 1024, torch.bfloat16, "cpu", 132, "always")
+    assert always.workspace(1, 1024)[0] is mg.mla_decode_gluon
 
 
 @pytest.mark.parametrize(("m", "kernel"), [(3, "gemv"), (3, "mma"), (17, "mma")])

@@ -339,3 +339,26 @@ def test_plan_says_where_the_shared_experts_run(capsys):
     rc, out = _run(capsys, KIMI, "--gpu", "h200", "--num-gpus", "8", "--enable-expert-parallel")
     assert rc == 0, out
     assert "shared experts: 1 per MoE layer, a separate MLP" in out
+
+
+def test_mla_decode_kernel_choice_follows_cache_page_size_and_setting():
+    # Gluon (Hopper, BF16 cache, pages of a multiple of 64) where it measured faster;
+    # otherwise the Triton kernel, with the reason
+    cfg, quant, _, _ = plan.load_model_description(DSV3)
+
+    def mla(cap, kv, **kw):
+        return _by_what(plan.kernel_choices(cfg, quant, cap, kv, "nvlink", **kw))["MLA decode"]
+
+    auto = mla((9, 0), torch.bfloat16, page_size=64)
+    assert auto.choice.startswith("Gluon") and "measured faster" in auto.reason
+    assert mla((9, 0), torch.bfloat16, page_size=64, mla_decode_kernel="gluon").choice == (
+        "Gluon MLA decode (TMA + wgmma)"
+    )
+    for cap, kv, kw, why in (
+        ((9, 0), torch.bfloat16, {"page_size": 16}, "page size 16"),
+        ((9, 0), torch.float8_e4m3fn, {"page_size": 64}, "BF16 cache"),
+        ((10, 0), torch.bfloat16, {"page_size": 64}, "sm_90"),
+        ((9, 0), torch.bfloat16, {"page_size": 64, "mla_decode_kernel": "triton"}, "triton"),
+    ):
+        c = mla(cap, kv, **kw)
+        assert c.choice.startswith("Triton") and why in c.reason, (c, why)

@@ -100,26 +100,28 @@ class MLADecodeScratch:
     calls are stream-ordered). One flat buffer, viewed per batch, so a captured graph uses
     fixed addresses; sized for every batch <= max_batch at the largest context. `gluon`:
     the Gluon kernel (kernels/mla_decode_gluon.py) can serve the cache, decided once at
-    allocation; which kernel serves a batch then follows from static sizes only."""
+    allocation (--mla-decode-kernel); which kernel serves a batch then follows from static
+    sizes only."""
 
     partial_out: torch.Tensor  # flat, [rows * heads * 512] in the partials' dtype
     partial_lse: torch.Tensor  # flat fp32 [rows * heads]
     num_heads: int
     sm_count: int
-    gluon: bool = False
+    gluon: str | None = None  # "prefer", "always" or None (MLAAttention._gluon_decode)
 
     @staticmethod
     def plan(
-        batch: int, num_heads: int, max_context: int, sm_count: int, gluon: bool
+        batch: int, num_heads: int, max_context: int, sm_count: int, gluon: str | None
     ) -> tuple[Callable, int]:
         """(decode kernel, its default split count) for a launch of these static sizes: the
-        Gluon kernel where it can serve the cache and measured faster, else the Triton one."""
+        Gluon kernel where it serves the cache and is asked for ("always") or measured
+        faster ("prefer"), else the Triton one."""
         from moeserve.kernels import mla_decode as md
 
-        if gluon:
+        if gluon is not None:
             from moeserve.kernels import mla_decode_gluon as mg
 
-            if mg.prefer_gluon(batch, num_heads, max_context):
+            if gluon == "always" or mg.prefer_gluon(batch, num_heads, max_context):
                 splits = mg.gluon_default_num_splits(batch, num_heads, max_context, sm_count)
                 return mg.mla_decode_gluon, splits
         splits = md.default_num_splits(batch, num_heads, max_context, sm_count=sm_count)
@@ -134,7 +136,7 @@ class MLADecodeScratch:
         dtype: torch.dtype,
         device: torch.device | str,
         sm_count: int,
-        gluon: bool = False,
+        gluon: str | None = None,
     ) -> MLADecodeScratch:
         from moeserve.kernels.mla_decode import KV_LORA_RANK
 
@@ -263,6 +265,26 @@ class MLAAttention(nn.Module):
         host-side sequence lengths."""
         return self._kernels(self.kv_cache)
 
+    def _gluon_decode(self, choice: str) -> str | None:
+        """The Gluon decode kernel's role for this cache (--mla-decode-kernel): "prefer"
+        (auto: where it measured faster), "always" (gluon), or None (triton, or a cache it
+        cannot serve: FP8, a page size not a multiple of 64, not sm_90)."""
+        from moeserve.kernels.mla_decode_gluon import gluon_mla_supported
+
+        if choice == "triton":
+            return None
+        # a one-row query stands in for the real ones (same device)
+        if not gluon_mla_supported(self.kv_cache.new_empty(1, 1, 1), self.kv_cache):
+            if choice == "gluon":
+                log.warning(
+                    "--mla-decode-kernel gluon: this cache (%s, page size %d) or GPU cannot "
+                    "take it; the Triton kernel serves",
+                    self.kv_cache.dtype,
+                    self.kv_cache.shape[1],
+                )
+            return None
+        return "always" if choice == "gluon" else "prefer"
+
     def prepare_cuda_graph(self, max_batch: int, max_context: int, shared: dict) -> None:
         """Static decode state for graph capture: the split-KV scratch (one for all layers,
         kept in `shared`) and the absorbed kv_b_proj weight, dequantized once (dequantizing a
@@ -274,11 +296,8 @@ class MLAAttention(nn.Module):
         key = f"mla_decode_scratch/{self.num_heads}/{dtype}"
         scratch = shared.get(key)
         if scratch is None:
-            from moeserve.kernels.mla_decode_gluon import gluon_mla_supported
-
             sm = torch.cuda.get_device_properties(dev).multi_processor_count
-            # a one-row query stands in for the real ones (same device and dtype)
-            gluon = gluon_mla_supported(self.kv_cache.new_empty(1, 1, 1), self.kv_cache)
+            gluon = self._gluon_decode(shared.get("mla_decode_kernel", "auto"))
             scratch = MLADecodeScratch.allocate(
                 max_batch, self.num_heads, max_context, dtype, dev, sm, gluon
             )
