@@ -441,6 +441,42 @@ def _mla_decode_merge_kernel(
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
+def launch_merge(
+    po: torch.Tensor,
+    pl: torch.Tensor,
+    out: torch.Tensor,
+    num_splits: int,
+    heads_block: int,
+    d_block: int,
+    chunk: int,
+    num_warps: int = 4,
+) -> None:
+    """Stage 2: merge the split partials (``po`` [B, H, splits, 512], ``pl`` [B, H, splits])
+    into ``out`` [B, H, 512], ``heads_block`` x ``d_block`` values per program and ``chunk``
+    splits per step (shared by the Triton and Gluon split kernels)."""
+    batch, heads = out.shape[0], out.shape[1]
+    grid = (batch, triton.cdiv(heads, heads_block), KV_LORA_RANK // d_block)
+    _mla_decode_merge_kernel[grid](
+        po,
+        pl,
+        out,
+        num_splits,
+        heads,
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        pl.stride(0),
+        pl.stride(1),
+        out.stride(0),
+        out.stride(1),
+        SPLITS_P2=triton.next_power_of_2(num_splits),
+        HEADS_BLOCK=heads_block,
+        D_BLOCK=d_block,
+        CHUNK=chunk,
+        num_warps=num_warps,
+    )
+
+
 def merge_blocks(batch: int, num_heads: int) -> tuple[int, int]:
     """(heads, values) per merge program: 1 x 128 grown (values first, to all 512, then
     heads) until the grid has at most _MERGE_MAX_PROGRAMS programs."""
@@ -573,25 +609,8 @@ def mla_decode(
     )
     if not direct:
         hb, db = merge_blocks(batch, heads)
-        _mla_decode_merge_kernel[(batch, triton.cdiv(heads, hb), KV_LORA_RANK // db)](
-            po,
-            pl,
-            out,
-            num_splits,
-            heads,
-            po.stride(0),
-            po.stride(1),
-            po.stride(2),
-            pl.stride(0),
-            pl.stride(1),
-            out.stride(0),
-            out.stride(1),
-            SPLITS_P2=triton.next_power_of_2(num_splits),
-            HEADS_BLOCK=hb,
-            D_BLOCK=db,
-            CHUNK=_MERGE_CHUNK if (hb, db) == (1, _MERGE_MIN_D_BLOCK) else 1,
-            num_warps=4,
-        )
+        chunk = _MERGE_CHUNK if (hb, db) == (1, _MERGE_MIN_D_BLOCK) else 1
+        launch_merge(po, pl, out, num_splits, hb, db, chunk)
     return out
 
 

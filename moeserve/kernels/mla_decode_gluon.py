@@ -53,8 +53,8 @@ from moeserve.kernels.mla_decode import (
     ROPE_DIM,
     MLADecodeWorkspace,
     _check_inputs,
-    _mla_decode_merge_kernel,
     _sm_count,
+    launch_merge,
     merge_blocks,
 )
 
@@ -697,23 +697,5 @@ def mla_decode_gluon(
         _mla_decode_gluon_kernel[grid](*args, **common, BF16_OUT=bf16_out, num_warps=NUM_WARPS)
     if not direct:
         hb, db, chunk, warps = _merge_launch(batch, heads, num_splits, config)
-        _mla_decode_merge_kernel[(batch, triton.cdiv(heads, hb), KV_LORA_RANK // db)](
-            po,
-            pl,
-            out,
-            num_splits,
-            heads,
-            po.stride(0),
-            po.stride(1),
-            po.stride(2),
-            pl.stride(0),
-            pl.stride(1),
-            out.stride(0),
-            out.stride(1),
-            SPLITS_P2=triton.next_power_of_2(num_splits),
-            HEADS_BLOCK=hb,
-            D_BLOCK=db,
-            CHUNK=chunk,
-            num_warps=warps,
-        )
+        launch_merge(po, pl, out, num_splits, hb, db, chunk, warps)
     return out
