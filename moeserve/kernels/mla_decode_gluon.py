@@ -38,6 +38,9 @@ multiple of 64, pages laid out back to back (the cache viewed as one
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +59,10 @@ from moeserve.kernels.mla_decode import (
     _sm_count,
     launch_merge,
     merge_blocks,
+    mla_decode_ref,
 )
+
+log = logging.getLogger(__name__)
 
 try:  # Gluon is experimental: any import problem means "not supported", never a crash.
     from triton.experimental import gluon
@@ -699,3 +705,56 @@ def mla_decode_gluon(
         hb, db, chunk, warps = _merge_launch(batch, heads, num_splits, config)
         launch_merge(po, pl, out, num_splits, hb, db, chunk, warps)
     return out
+
+
+# The start-up probe: two sequences (several tiles, and a partial one) on permuted pages.
+_PROBE_SEQ_LENS = (200, 37)
+_PROBE_PAGE = GLUON_PAGE_MULTIPLE
+_PROBE_SCALE = 0.1
+_PROBE_TOLERANCE = 3e-2  # of the largest output: bf16 partials and output
+
+
+def check_decode_kernel(
+    kernel: Callable, num_heads: int, device: torch.device, **kwargs: object
+) -> bool:
+    """Whether `kernel` (mla_decode's signature) matches mla_decode_ref on a small case with
+    `num_heads` heads: False, with one log line, on any error or mismatch."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lens = torch.tensor(_PROBE_SEQ_LENS, dtype=torch.int32)
+    pages_per_seq = [-(-int(n) // _PROBE_PAGE) for n in lens]
+    num_pages = sum(pages_per_seq)
+    cache = torch.randn(num_pages, _PROBE_PAGE, LATENT_DIM, generator=g).to(torch.bfloat16)
+    order = torch.randperm(num_pages, generator=g).to(torch.int32)
+    tables = torch.zeros(len(lens), max(pages_per_seq), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_per_seq):
+        tables[b, :n] = order[used : used + n]
+        used += n
+    q = torch.randn(len(lens), num_heads, LATENT_DIM, generator=g).to(torch.bfloat16)
+    args = [t.to(device) for t in (q, cache, tables, lens)]
+    ref = mla_decode_ref(*args, _PROBE_SCALE, torch.empty(len(lens), num_heads, KV_LORA_RANK))
+    try:
+        out = torch.empty(len(lens), num_heads, KV_LORA_RANK, dtype=torch.bfloat16, device=device)
+        kernel(*args, _PROBE_SCALE, out, **kwargs)
+        err = float((out.float().cpu() - ref.cpu()).abs().max())
+    except Exception as e:  # noqa: BLE001 (any compile/launch failure means "not this one")
+        log.warning("MLA decode kernel %s unavailable (%s)", getattr(kernel, "__name__", kernel), e)
+        return False
+    if not err <= _PROBE_TOLERANCE * float(ref.abs().max()):
+        log.warning("MLA decode kernel %s is wrong here (max error %.3g)", kernel, err)
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=8)
+def probe_gluon_mla(device: torch.device, num_heads: int) -> bool:
+    """Whether both Gluon kernels (few-head and 64-row) reproduce the reference on this
+    device for this head count. Runs once per (device, heads); call it before CUDA-graph
+    capture (it synchronises). The engine falls back to the Triton kernel when False."""
+    if device.type != "cuda":
+        return False
+    forced_64_row = GluonMLAConfig(small_heads_max=0, small_max_tiles=0)
+    return check_decode_kernel(mla_decode_gluon, num_heads, device) and (
+        num_heads <= SMALL_BLOCK_H
+        or check_decode_kernel(mla_decode_gluon, num_heads, device, config=forced_64_row)
+    )

@@ -263,3 +263,23 @@ def test_shared_splitk_workspace_fits_the_kernels(m, kernel):
         assert not ws.partial.any() and not ws.locks.any()
         ref = nv.nvfp4_gemm_ref(x, packed, scale, gs)
         torch.testing.assert_close(y.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_mla_kernel_check_accepts_the_reference_and_rejects_wrong_or_failing_kernels():
+    # the start-up probe's comparison (the Gluon kernel itself needs an sm_90 GPU: tests/gpu)
+    import moeserve.kernels.mla_decode as md
+    import moeserve.kernels.mla_decode_gluon as mg
+
+    cpu = torch.device("cpu")
+
+    def shifted(q, cache, bt, lens, scale, out, **kw):
+        md.mla_decode_ref(q, cache, bt, lens, scale, out)
+        out.add_(0.5)
+
+    def failing(*args, **kw):
+        raise RuntimeError("no such kernel here")
+
+    assert mg.check_decode_kernel(md.mla_decode_ref, 16, cpu)
+    assert not mg.check_decode_kernel(shifted, 16, cpu)
+    assert not mg.check_decode_kernel(failing, 16, cpu)
+    assert not mg.probe_gluon_mla(cpu, 16)  # no GPU: the Triton kernel serves

@@ -267,9 +267,10 @@ class MLAAttention(nn.Module):
 
     def _gluon_decode(self, choice: str) -> str | None:
         """The Gluon decode kernel's role for this cache (--mla-decode-kernel): "prefer"
-        (auto: where it measured faster), "always" (gluon), or None (triton, or a cache it
-        cannot serve: FP8, a page size not a multiple of 64, not sm_90)."""
-        from moeserve.kernels.mla_decode_gluon import gluon_mla_supported
+        (auto: where it measured faster), "always" (gluon), or None (triton, a cache it
+        cannot serve: FP8, a page size not a multiple of 64, not sm_90; or its start-up probe
+        against the reference failed here)."""
+        from moeserve.kernels.mla_decode_gluon import gluon_mla_supported, probe_gluon_mla
 
         if choice == "triton":
             return None
@@ -282,6 +283,8 @@ class MLAAttention(nn.Module):
                     self.kv_cache.dtype,
                     self.kv_cache.shape[1],
                 )
+            return None
+        if not probe_gluon_mla(self.kv_cache.device, self.num_heads):  # logged its reason
             return None
         return "always" if choice == "gluon" else "prefer"
 
