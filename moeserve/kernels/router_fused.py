@@ -32,6 +32,7 @@ one each.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,8 @@ from moeserve.kernels.router import (
     _weight_rule,
     route,
 )
+
+log = logging.getLogger(__name__)
 
 # Largest decode batch the fused launch serves (and the tests cover): every program re-reads
 # all T rows of x and the last program routes all T rows alone, so its cost grows with T.
@@ -497,3 +500,42 @@ def route_fused(
         num_warps=cfg.num_warps,
     )
     return weights_out, ids_out
+
+
+_PROBE_TOP_K = 2
+_PROBE_TOLERANCE = 1e-3  # of the largest |logit|: fp32 sums in another order
+
+
+def probe_route_fused(gate_weight: torch.Tensor, workspace: RouterFusedWorkspace) -> bool:
+    """Whether route_fused runs on this device and reproduces x @ W^T (the logits it keeps)
+    and their top experts for one random token through `workspace`. Call it once at load
+    (it synchronises); False, with one log line, on any error or mismatch."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(1, gate_weight.shape[1], generator=g).to(gate_weight)
+    try:
+        _, ids = route_fused(
+            x,
+            gate_weight,
+            None,
+            _PROBE_TOP_K,
+            scoring_func="softmax",  # monotone and unsaturated: the top logits win
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            workspace=workspace,
+        )
+        want = x.float() @ gate_weight.float().t()
+        tol = _PROBE_TOLERANCE * float(want.abs().max())
+        ok = float((workspace.logits[:1] - want).abs().max()) <= tol
+        top = want.topk(_PROBE_TOP_K + 1, dim=1)
+        if ok and float(top.values[0, -2] - top.values[0, -1]) > 2 * tol:  # no near tie
+            chosen = top.indices[0, :_PROBE_TOP_K].sort().values
+            ok = torch.equal(ids[0].long().sort().values, chosen)
+    except Exception as e:  # noqa: BLE001 (any compile/launch failure means "not this one")
+        log.warning("fused router unavailable (%s); the gate GEMM + route kernel serve", e)
+        return False
+    if not ok:
+        log.warning("fused router is wrong here; the gate GEMM + route kernel serve")
+    return ok

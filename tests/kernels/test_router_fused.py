@@ -245,3 +245,28 @@ def test_supported_and_rejected_inputs():
     small_ws = fused_mod.RouterFusedWorkspace.create(256, "cpu", max_tokens=2)
     with pytest.raises(ValueError):
         fused_mod.route_fused(ok, gw, None, 8, workspace=small_ws, **_kw(DEEPSEEK))
+
+
+def test_load_time_probe_passes_here_and_fails_on_a_wrong_kernel(monkeypatch):
+    # the probe Router runs at load: route_fused's logits and top experts against x @ W^T
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(256, 256, generator=g).to(torch.bfloat16)
+    ws = fused_mod.RouterFusedWorkspace.create(256, "cpu", max_tokens=1)
+    assert fused_mod.probe_route_fused(w, ws)
+    assert not ws.counter.any()
+
+    real = fused_mod.route_fused
+
+    def wrong_logits(*args, workspace, **kw):
+        out = real(*args, workspace=workspace, **kw)
+        workspace.logits.add_(1.0)
+        return out
+
+    monkeypatch.setattr(fused_mod, "route_fused", wrong_logits)
+    assert not fused_mod.probe_route_fused(w, ws)
+
+    def failing(*args, **kw):
+        raise RuntimeError("no such kernel here")
+
+    monkeypatch.setattr(fused_mod, "route_fused", failing)
+    assert not fused_mod.probe_route_fused(w, ws)
