@@ -218,4 +218,3 @@ def test_merge_of_head_blocks_with_a_ragged_last_block():
     mla_decode_mod.mla_decode(q, cache, bt, seq, 0.1352, out, None, 3, ws, SMALL)
     ref = mla_decode_mod.mla_decode_ref(q, cache, bt, seq, 0.1352, torch.empty(26, 21, 512))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-
