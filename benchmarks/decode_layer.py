@@ -52,7 +52,8 @@ BEFORE_MS_PER_LAYER = {"kimi-k2.5-nvfp4": 0.345, "deepseek-v3-fp8": 6.0}
 TARGET_MS = 0.20
 
 
-def _engine(path: Path, layers: int, profile_steps: int, tp: int = 1, ep: bool = False):
+def _engine(path: Path, layers: int, profile_steps: int, tp: int = 1, ep: bool = False, **settings):
+    """The benchmark's engine; `settings`: more engine settings (--set, e.g. page_size=64)."""
     from moeserve.engine.engine import build_engine
 
     return build_engine(
@@ -66,6 +67,7 @@ def _engine(path: Path, layers: int, profile_steps: int, tp: int = 1, ep: bool =
         max_num_batched_tokens=max(BATCHES) * PROMPT,
         cuda_graph_max_bs=max(BATCHES),
         profile_decode=profile_steps,
+        **settings,
     )
 
 
@@ -166,11 +168,13 @@ def layer_counts(path: Path) -> tuple[int, int]:
     return lo, lo + MOE_LAYERS_APART
 
 
-def bench_engine(name: str, path: Path, layers: int, tp: int = 1, ep: bool = False) -> dict:
+def bench_engine(
+    name: str, path: Path, layers: int, tp: int = 1, ep: bool = False, **settings
+) -> dict:
     """One engine of `layers` layers: decode ms per step and profile at each batch."""
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
-    engine = _engine(path, layers, 0, tp, ep)
+    engine = _engine(path, layers, 0, tp, ep, **settings)
     row = {
         "load_s": engine.loaded.load_seconds,  # the weights alone (graphs, compilation apart)
         "start_s": time.perf_counter() - t0,
@@ -207,16 +211,17 @@ def _engine_in_subprocess(name: str, layers: int, tp: int, ep: bool) -> dict:
 
 
 def bench_moeserve(
-    name: str, path: Path, tp: int = 1, ep: bool = False, isolated: bool = False
+    name: str, path: Path, tp: int = 1, ep: bool = False, isolated: bool = False, **settings
 ) -> dict:
     out: dict = {"config": str(path.relative_to(HERE.parent)), "layers": {}, "tp": tp, "ep": ep}
+    out["settings"] = settings
     LAYERS = layer_counts(path)  # noqa: N806 (a constant of this config)
     out["layer_counts"] = list(LAYERS)
     for layers in LAYERS:
         if isolated:
             out["layers"][str(layers)] = _engine_in_subprocess(name, layers, tp, ep)
         else:
-            out["layers"][str(layers)] = bench_engine(name, path, layers, tp, ep)
+            out["layers"][str(layers)] = bench_engine(name, path, layers, tp, ep, **settings)
     return summarize(out)
 
 
@@ -328,7 +333,8 @@ def write_markdown(res: dict, path: Path) -> None:
         "",
         f"commit {v['commit']}, {v['gpu']}, torch {v['torch']}, triton {v['triton']}, "
         f"transformers {v['transformers']}. Method: benchmarks/decode_layer.py docstring "
-        "(slope of L=d+5 vs L=d+1 steps, d dense layers; HF peer slope of 3 vs 2 layers).",
+        "(slope of L=d+5 vs L=d+1 steps, d dense layers; HF peer slope of 3 vs 2 layers)."
+        + (f" Engine settings: {v['settings']}." if v.get("settings") else ""),
         "",
     ]
     for name, r in res["moeserve"].items():
@@ -488,6 +494,12 @@ def main_parallel(layouts: list[str], out: Path, commit: str | None) -> None:
     finish_parallel(res, out)
 
 
+def _setting(kv: str) -> tuple[str, object]:
+    """KEY=VALUE -> (key, int or str value)."""
+    key, _, value = kv.partition("=")
+    return key, int(value) if value.lstrip("-").isdigit() else value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -495,6 +507,14 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--deepseek", action="store_true", help="also the DeepSeek-V3 FP8 config")
     ap.add_argument("--only", default=None, help="run this one config (a name of CONFIGS)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine setting for the moeserve engines (e.g. page_size=64, "
+        "mla_decode_kernel=triton); repeatable; recorded in the JSON",
+    )
     ap.add_argument(
         "--parallel",
         default=None,
@@ -524,9 +544,11 @@ def main() -> None:
     configs = dict(CONFIGS, **(OPTIONAL if args.deepseek or args.only else {}))
     if args.only:
         configs = {args.only: {**CONFIGS, **OPTIONAL}[args.only]}
+    settings = dict(_setting(kv) for kv in args.set)
     res: dict = {"versions": _versions(args.commit), "moeserve": {}, "hf": {}}
+    res["versions"]["settings"] = settings
     for name, path in configs.items():
-        res["moeserve"][name] = bench_moeserve(name, path)
+        res["moeserve"][name] = bench_moeserve(name, path, **settings)
         json_path = Path(args.out) / "decode_layer.json"
         json_path.write_text(json.dumps(res, indent=1))
     if not args.no_hf:
