@@ -53,6 +53,118 @@ def _score(x, m, denom, SOFTMAX: tl.constexpr):
 
 
 @triton.jit
+def _route_rows(
+    x,
+    g,
+    j,
+    r0,
+    tokens,
+    logits_ptr,
+    stride_lt,
+    bias_ptr,
+    w_ptr,
+    ids_ptr,
+    stride_wt,
+    stride_it,
+    group_size,
+    scale,
+    shared_first_id,
+    ROWS: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    NG_P2: tl.constexpr,
+    GS_P2: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUP_TOP2: tl.constexpr,
+    RENORM: tl.constexpr,
+    RENORM_EPS: tl.constexpr,
+    SHARED: tl.constexpr,
+    S_P2: tl.constexpr,
+):
+    """Route the logit rows r0 .. r0 + ROWS - 1, x [ROWS, NG_P2, GS_P2] (fp32, -inf outside the
+    real experts; g [1,NG_P2,1], j [1,1,GS_P2] their group / in-group index vectors; the same
+    values stored at logits_ptr) by the rules of the module docstring, and store the weights /
+    ids of those rows below `tokens`. _route_kernel calls it for one row per program,
+    router_fused.py's last program for all the rows of its launch."""
+    e = g * group_size + j
+    valid = (g < N_GROUP) & (j < group_size)
+    if SOFTMAX:
+        m = tl.max(tl.max(x, axis=2), axis=1)[:, None, None]
+        ex = tl.where(valid, tl.exp(x - m), 0.0)
+        denom = tl.sum(tl.sum(ex, axis=2), axis=1)[:, None, None]
+    else:
+        m = 0.0
+        denom = 1.0
+    score = _score(x, m, denom, SOFTMAX)
+    choice = score
+    if HAS_BIAS:
+        choice += tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+
+    if N_GROUP > 1:
+        best, first = tl.max(
+            choice, axis=2, return_indices=True, return_indices_tie_break_left=True
+        )
+        if GROUP_TOP2:
+            second = tl.max(tl.where(j == first[:, :, None], float("-inf"), choice), axis=2)
+            gscore = best + second
+        else:
+            gscore = best
+        g2 = tl.arange(0, NG_P2)[None, :]
+        gscore = tl.where(g2 < N_GROUP, gscore, float("-inf"))
+        keep = g2 < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            gi = tl.argmax(gscore, axis=1, tie_break_left=True)
+            hit = g2 == gi[:, None]
+            keep = keep | hit
+            gscore = tl.where(hit, float("-inf"), gscore)
+        choice = tl.where(keep[:, :, None], choice, float("-inf"))
+
+    # top-k over the flattened rows: flat order is expert order, so the leftmost maximum is
+    # the lowest expert id among equals
+    flat = tl.reshape(choice, [ROWS, NG_P2 * GS_P2])
+    f = tl.arange(0, NG_P2 * GS_P2)[None, :]
+    kk = tl.arange(0, K_P2)[None, :]
+    ids = tl.zeros([ROWS, K_P2], tl.int32)
+    for i in tl.static_range(TOP_K):
+        fi = tl.argmax(flat, axis=1, tie_break_left=True)[:, None]
+        ids = tl.where(kk == i, ((fi // GS_P2) * group_size + fi % GS_P2).to(tl.int32), ids)
+        flat = tl.where(f == fi, float("-inf"), flat)
+
+    # weights: the chosen experts' unbiased scores, recomputed from their logits (the same
+    # arithmetic as the scores above, so the same values)
+    tl.debug_barrier()  # the logits stored by every thread are visible to every thread
+    tt = r0 + tl.arange(0, ROWS)[:, None]
+    rows = tt < tokens
+    kmask = kk < TOP_K
+    xs = tl.load(
+        logits_ptr + tt * stride_lt + ids, mask=rows & kmask, other=0.0, cache_modifier=".cg"
+    ).to(tl.float32)
+    if SOFTMAX:
+        m2 = tl.reshape(m, [ROWS])[:, None]
+        denom2 = tl.reshape(denom, [ROWS])[:, None]
+    else:
+        m2 = 0.0
+        denom2 = 1.0
+    w = tl.where(kmask, _score(xs, m2, denom2, SOFTMAX), 0.0)
+    if RENORM:
+        w = w / (tl.sum(w, axis=1)[:, None] + RENORM_EPS)
+    w = w * scale
+    tl.store(w_ptr + tt * stride_wt + kk, w, mask=rows & kmask)
+    tl.store(ids_ptr + tt * stride_it + kk, ids, mask=rows & kmask)
+    if SHARED > 0:  # shared experts as slots: columns TOP_K.., weight 1 for every token
+        ss = tl.arange(0, S_P2)[None, :]
+        smask = rows & (ss < SHARED)
+        ones = tl.full([ROWS, S_P2], 1.0, tl.float32)
+        tl.store(w_ptr + tt * stride_wt + TOP_K + ss, ones, mask=smask)
+        sid = (shared_first_id + ss + tt * 0).to(tl.int32)
+        tl.store(ids_ptr + tt * stride_it + TOP_K + ss, sid, mask=smask)
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr,
     bias_ptr,
@@ -78,68 +190,19 @@ def _route_kernel(
     SHARED: tl.constexpr,
     S_P2: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    row = logits_ptr + t * stride_lt
-    # the row as [groups, experts per group], padded to powers of two
-    g = tl.arange(0, NG_P2)
-    j = tl.arange(0, GS_P2)
-    e = g[:, None] * group_size + j[None, :]
-    valid = (g[:, None] < N_GROUP) & (j[None, :] < group_size)
-    x = tl.load(row + e, mask=valid, other=float("-inf")).to(tl.float32)
-    if SOFTMAX:
-        m = tl.max(tl.max(x, axis=1), axis=0)
-        denom = tl.sum(tl.sum(tl.where(valid, tl.exp(x - m), 0.0), axis=1), axis=0)
-    else:
-        m = 0.0
-        denom = 1.0
-    choice = _score(x, m, denom, SOFTMAX)
-    if HAS_BIAS:
-        choice += tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-    choice = tl.where(valid, choice, float("-inf"))
-
-    if N_GROUP > 1:
-        best = tl.max(choice, axis=1)
-        if GROUP_TOP2:
-            first = tl.argmax(choice, axis=1, tie_break_left=True)
-            second = tl.max(tl.where(j[None, :] == first[:, None], float("-inf"), choice), axis=1)
-            gscore = best + second
-        else:
-            gscore = best
-        gscore = tl.where(g < N_GROUP, gscore, float("-inf"))
-        keep = g < 0
-        for _ in tl.static_range(TOPK_GROUP):
-            gi = tl.argmax(gscore, axis=0, tie_break_left=True)
-            keep = keep | (g == gi)
-            gscore = tl.where(g == gi, float("-inf"), gscore)
-        choice = tl.where(keep[:, None], choice, float("-inf"))
-
-    # top-k over the flattened row: flat order is expert order, so the leftmost maximum is
-    # the lowest expert index among equals
-    flat = tl.reshape(choice, [NG_P2 * GS_P2])
-    f = tl.arange(0, NG_P2 * GS_P2)
-    kk = tl.arange(0, K_P2)
-    ids = tl.zeros([K_P2], tl.int32)
-    for i in tl.static_range(TOP_K):
-        fi = tl.argmax(flat, axis=0, tie_break_left=True)
-        ids = tl.where(kk == i, ((fi // GS_P2) * group_size + fi % GS_P2).to(tl.int32), ids)
-        flat = tl.where(f == fi, float("-inf"), flat)
-
-    # weights: the chosen experts' unbiased scores, recomputed from their logits (the same
-    # arithmetic as above, so the same values)
-    kmask = kk < TOP_K
-    xs = tl.load(row + ids, mask=kmask, other=0.0).to(tl.float32)
-    w = tl.where(kmask, _score(xs, m, denom, SOFTMAX), 0.0)
-    if RENORM:
-        w = w / (tl.sum(w, axis=0) + RENORM_EPS)
-    w = w * scale
-    tl.store(w_ptr + t * stride_wt + kk, w, mask=kmask)
-    tl.store(ids_ptr + t * stride_it + kk, ids, mask=kmask)
-
-    if SHARED > 0:  # shared experts as slots: columns TOP_K.., weight 1 for every token
-        ss = tl.arange(0, S_P2)
-        smask = ss < SHARED
-        tl.store(w_ptr + t * stride_wt + TOP_K + ss, tl.full([S_P2], 1.0, tl.float32), mask=smask)
-        tl.store(ids_ptr + t * stride_it + TOP_K + ss, shared_first_id + ss, mask=smask)
+    """One program per token: its row of logits as [1, groups, experts per group] (padded to
+    powers of two), routed by _route_rows."""
+    t = tl.program_id(0)
+    g = tl.arange(0, NG_P2)[None, :, None]
+    j = tl.arange(0, GS_P2)[None, None, :]
+    valid = (g < N_GROUP) & (j < group_size)
+    row = logits_ptr + t.to(tl.int64) * stride_lt
+    x = tl.load(row + g * group_size + j, mask=valid, other=float("-inf")).to(tl.float32)
+    _route_rows(
+        x, g, j, t, t + 1, logits_ptr, stride_lt, bias_ptr, w_ptr, ids_ptr, stride_wt,
+        stride_it, group_size, scale, shared_first_id, 1, N_GROUP, NG_P2, GS_P2, TOPK_GROUP,
+        TOP_K, K_P2, SOFTMAX, HAS_BIAS, GROUP_TOP2, RENORM, RENORM_EPS, SHARED, S_P2,
+    )  # fmt: skip
 
 
 def _weight_rule(

@@ -44,7 +44,7 @@ from moeserve.kernels.router import (
     _check,
     _check_out,
     _interpreting,
-    _score,
+    _route_rows,
     _weight_rule,
     route,
 )
@@ -137,117 +137,6 @@ def fused_route_supported(x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
 def prefer_fused_route(x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
     """fused_route_supported and T within the measured win (FUSED_WINS_MAX_TOKENS)."""
     return fused_route_supported(x, gate_weight) and x.shape[0] <= FUSED_WINS_MAX_TOKENS
-
-
-@triton.jit
-def _route_rows(
-    x,
-    g,
-    j,
-    r0,
-    tokens,
-    logits_ptr,
-    stride_lt,
-    bias_ptr,
-    w_ptr,
-    ids_ptr,
-    stride_wt,
-    stride_it,
-    group_size,
-    scale,
-    shared_first_id,
-    ROWS: tl.constexpr,
-    N_GROUP: tl.constexpr,
-    NG_P2: tl.constexpr,
-    GS_P2: tl.constexpr,
-    TOPK_GROUP: tl.constexpr,
-    TOP_K: tl.constexpr,
-    K_P2: tl.constexpr,
-    SOFTMAX: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    GROUP_TOP2: tl.constexpr,
-    RENORM: tl.constexpr,
-    RENORM_EPS: tl.constexpr,
-    SHARED: tl.constexpr,
-    S_P2: tl.constexpr,
-):
-    """Route the logit rows r0 .. r0 + ROWS - 1, x [ROWS, NG_P2, GS_P2] (fp32, -inf outside the
-    real experts; g [1,NG_P2,1], j [1,1,GS_P2] their group / in-group index vectors; the same
-    values stored at logits_ptr) like router.py's _route_kernel routes one row, and store the
-    weights / ids of those rows below `tokens`."""
-    e = g * group_size + j
-    valid = (g < N_GROUP) & (j < group_size)
-    if SOFTMAX:
-        m = tl.max(tl.max(x, axis=2), axis=1)[:, None, None]
-        ex = tl.where(valid, tl.exp(x - m), 0.0)
-        denom = tl.sum(tl.sum(ex, axis=2), axis=1)[:, None, None]
-    else:
-        m = 0.0
-        denom = 1.0
-    score = _score(x, m, denom, SOFTMAX)
-    choice = score
-    if HAS_BIAS:
-        choice += tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-    choice = tl.where(valid, choice, float("-inf"))
-
-    if N_GROUP > 1:
-        best, first = tl.max(
-            choice, axis=2, return_indices=True, return_indices_tie_break_left=True
-        )
-        if GROUP_TOP2:
-            second = tl.max(tl.where(j == first[:, :, None], float("-inf"), choice), axis=2)
-            gscore = best + second
-        else:
-            gscore = best
-        g2 = tl.arange(0, NG_P2)[None, :]
-        gscore = tl.where(g2 < N_GROUP, gscore, float("-inf"))
-        keep = g2 < 0
-        for _ in tl.static_range(TOPK_GROUP):
-            gi = tl.argmax(gscore, axis=1, tie_break_left=True)
-            hit = g2 == gi[:, None]
-            keep = keep | hit
-            gscore = tl.where(hit, float("-inf"), gscore)
-        choice = tl.where(keep[:, :, None], choice, float("-inf"))
-
-    # top-k over the flattened rows: flat order is expert order, so the leftmost maximum is
-    # the lowest expert id among equals (router.py's rule)
-    flat = tl.reshape(choice, [ROWS, NG_P2 * GS_P2])
-    f = tl.arange(0, NG_P2 * GS_P2)[None, :]
-    kk = tl.arange(0, K_P2)[None, :]
-    ids = tl.zeros([ROWS, K_P2], tl.int32)
-    for i in tl.static_range(TOP_K):
-        fi = tl.argmax(flat, axis=1, tie_break_left=True)[:, None]
-        ids = tl.where(kk == i, ((fi // GS_P2) * group_size + fi % GS_P2).to(tl.int32), ids)
-        flat = tl.where(f == fi, float("-inf"), flat)
-
-    # weights: the chosen experts' unbiased scores, recomputed from their logits as router.py
-    # does (the same arithmetic, so the same values)
-    tl.debug_barrier()  # the logits stored by every thread are visible to every thread
-    tt = r0 + tl.arange(0, ROWS)[:, None]
-    rows = tt < tokens
-    kmask = kk < TOP_K
-    xs = tl.load(
-        logits_ptr + tt * stride_lt + ids, mask=rows & kmask, other=0.0, cache_modifier=".cg"
-    )
-    if SOFTMAX:
-        m2 = tl.reshape(m, [ROWS])[:, None]
-        denom2 = tl.reshape(denom, [ROWS])[:, None]
-    else:
-        m2 = 0.0
-        denom2 = 1.0
-    w = tl.where(kmask, _score(xs, m2, denom2, SOFTMAX), 0.0)
-    if RENORM:
-        w = w / (tl.sum(w, axis=1)[:, None] + RENORM_EPS)
-    w = w * scale
-    tl.store(w_ptr + tt * stride_wt + kk, w, mask=rows & kmask)
-    tl.store(ids_ptr + tt * stride_it + kk, ids, mask=rows & kmask)
-    if SHARED > 0:  # shared experts as slots: columns TOP_K.., weight 1 for every token
-        ss = tl.arange(0, S_P2)[None, :]
-        smask = rows & (ss < SHARED)
-        ones = tl.full([ROWS, S_P2], 1.0, tl.float32)
-        tl.store(w_ptr + tt * stride_wt + TOP_K + ss, ones, mask=smask)
-        sid = (shared_first_id + ss + tt * 0).to(tl.int32)
-        tl.store(ids_ptr + tt * stride_it + TOP_K + ss, sid, mask=smask)
 
 
 @triton.jit
