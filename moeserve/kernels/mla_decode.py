@@ -441,6 +441,27 @@ def _mla_decode_merge_kernel(
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
+def split_partials(
+    out: torch.Tensor, num_splits: int, workspace: MLADecodeWorkspace | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial outputs, partial lse) the split kernel writes for ``num_splits`` splits of
+    ``out``'s batch and heads: the workspace's (checked), a fresh one without it, or ``out``
+    twice as unused placeholders for one split (stage 1 writes ``out`` directly)."""
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if num_splits == 1:
+        return out, out
+    batch, heads = out.shape[0], out.shape[1]
+    if workspace is None:
+        po_dtype = torch.float32 if out.dtype == torch.float32 else torch.bfloat16
+        workspace = MLADecodeWorkspace.allocate(batch, heads, num_splits, out.device, po_dtype)
+    if workspace.max_splits < num_splits or workspace.partial_out.shape[0] < batch:
+        raise ValueError("workspace too small for this batch / num_splits")
+    if workspace.partial_out.shape[1] != heads:
+        raise ValueError("workspace was allocated for a different head count")
+    return workspace.partial_out, workspace.partial_lse
+
+
 def launch_merge(
     po: torch.Tensor,
     pl: torch.Tensor,
@@ -550,20 +571,8 @@ def mla_decode(
     if num_splits is None:
         num_splits = default_num_splits(batch, heads, max_context, config, _sm_count(q.device))
     num_splits = int(num_splits)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     direct = num_splits == 1
-    if direct:
-        po = pl = out  # unused placeholders
-    else:
-        if workspace is None:
-            po_dtype = torch.float32 if out.dtype == torch.float32 else torch.bfloat16
-            workspace = MLADecodeWorkspace.allocate(batch, heads, num_splits, q.device, po_dtype)
-        if workspace.max_splits < num_splits or workspace.partial_out.shape[0] < batch:
-            raise ValueError("workspace too small for this batch / num_splits")
-        if workspace.partial_out.shape[1] != heads:
-            raise ValueError("workspace was allocated for a different head count")
-        po, pl = workspace.partial_out, workspace.partial_lse
+    po, pl = split_partials(out, num_splits, workspace)
     has_scale = kv_cache.dtype == torch.float8_e4m3fn
     scale_arg = kv_scale if has_scale else out
     if config.vsplit not in (1, 2):

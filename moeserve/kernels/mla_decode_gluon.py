@@ -60,6 +60,7 @@ from moeserve.kernels.mla_decode import (
     launch_merge,
     merge_blocks,
     mla_decode_ref,
+    split_partials,
 )
 
 log = logging.getLogger(__name__)
@@ -649,20 +650,8 @@ def mla_decode_gluon(
     if num_splits is None:
         num_splits = gluon_num_splits(batch, heads, max_context, _sm_count(q.device), block_h)
     num_splits = int(num_splits)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     direct = num_splits == 1
-    if direct:
-        po = pl = out  # unused placeholders
-    else:
-        if workspace is None:
-            po_dtype = torch.float32 if out.dtype == torch.float32 else torch.bfloat16
-            workspace = MLADecodeWorkspace.allocate(batch, heads, num_splits, q.device, po_dtype)
-        if workspace.max_splits < num_splits or workspace.partial_out.shape[0] < batch:
-            raise ValueError("workspace too small for this batch / num_splits")
-        if workspace.partial_out.shape[1] != heads:
-            raise ValueError("workspace was allocated for a different head count")
-        po, pl = workspace.partial_out, workspace.partial_lse
+    po, pl = split_partials(out, num_splits, workspace)
     lat_desc, pe_desc = _descriptors(kv_cache, config.block_n)
     grid = (triton.cdiv(heads, block_h), num_splits, batch)
     args = (
