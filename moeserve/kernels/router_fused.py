@@ -32,6 +32,7 @@ one each.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -395,12 +396,16 @@ _PROBE_TOP_K = 2
 _PROBE_TOLERANCE = 1e-3  # of the largest |logit|: fp32 sums in another order
 
 
-def probe_route_fused(gate_weight: torch.Tensor, workspace: RouterFusedWorkspace) -> bool:
-    """Whether route_fused runs on this device and reproduces x @ W^T (the logits it keeps)
-    and their top experts for one random token through `workspace`. Call it once at load
-    (it synchronises); False, with one log line, on any error or mismatch."""
+@functools.lru_cache(maxsize=8)
+def probe_route_fused(device: torch.device, experts: int, hidden: int) -> bool:
+    """Whether route_fused runs on `device` for a gate of this shape and reproduces x @ W^T
+    (the logits it keeps) and their top experts for one random token and random weights.
+    Runs once per (device, shape), at load (it synchronises); False, with one log line, on
+    any error or mismatch."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(1, gate_weight.shape[1], generator=g).to(gate_weight)
+    gate_weight = torch.randn(experts, hidden, generator=g).to(torch.bfloat16).to(device)
+    x = torch.randn(1, hidden, generator=g).to(gate_weight)
+    workspace = RouterFusedWorkspace.create(experts, device, max_tokens=1)
     try:
         _, ids = route_fused(
             x,

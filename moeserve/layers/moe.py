@@ -569,11 +569,11 @@ class Router(nn.Module):
                 probe_route_fused,
             )
 
-            if fused_route_supported(w[:1], w):  # a one-token bf16 x of the gate's width
-                ws = RouterFusedWorkspace.create(
+            # w[:1]: a one-token bf16 x of the gate's width
+            if fused_route_supported(w[:1], w) and probe_route_fused(w.device, *w.shape):
+                self.fused_workspace = RouterFusedWorkspace.create(
                     w.shape[0], w.device, max_tokens=FUSED_WINS_MAX_TOKENS
                 )
-                self.fused_workspace = ws if probe_route_fused(w, ws) else None
         if w.is_cuda and w.dtype == torch.bfloat16:
             try:
                 torch.mm(w[:1], w[:1].t(), out_dtype=torch.float32)
