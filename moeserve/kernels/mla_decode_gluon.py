@@ -131,6 +131,39 @@ if _GLUON_OK:
         tma.async_copy_global_to_shared(pe_desc, [row, 0], bar, pe_dst)
 
     @gluon.jit
+    def _start_ring(
+        bars, lat_desc, pe_desc, k_lat_s, k_pe_s, bt_row, tile_lo, n_local, page_size,
+        NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """Initialise the ring's mbarriers and issue its first NUM_STAGES tiles."""
+        for st in gl.static_range(NUM_STAGES):
+            mbarrier.init(bars.index(st), count=1)
+        for st in gl.static_range(NUM_STAGES):
+            if st < n_local:
+                row = _tile_row(bt_row, tile_lo + st, page_size, True, BLOCK_N)
+                _issue_tile(lat_desc, pe_desc, row, bars.index(st), k_lat_s.index(st),
+                            k_pe_s.index(st))  # fmt: skip
+
+    @gluon.jit
+    def _stage_q(
+        q_ptr, b, hg, stride_qb, stride_qh, num_heads, q_lat_s, q_pe_s,
+        layout: gl.constexpr, BLOCK_H: gl.constexpr, D_LAT: gl.constexpr, D_ROPE: gl.constexpr,
+    ):  # fmt: skip
+        """q of head block hg -> bf16 in shared memory (rows past num_heads are zeros:
+        finite scores, never stored), fenced for the async (wgmma) proxy."""
+        offs_qh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+        offs_ql = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, layout))
+        offs_qr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, layout))
+        q_rows = q_ptr + b.to(gl.int64) * stride_qb + offs_qh[:, None] * stride_qh
+        qh_ok = offs_qh[:, None] < num_heads
+        q_lat = gl.load(q_rows + offs_ql[None, :], mask=qh_ok, other=0.0)
+        q_lat_s.store(q_lat.to(gl.bfloat16))
+        q_pe = gl.load(q_rows + D_LAT + offs_qr[None, :], mask=qh_ok, other=0.0)
+        q_pe_s.store(q_pe.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
     def _mla_decode_gluon_kernel(
         q_ptr,
         lat_desc,  # [pages * page_size, 512] view of the cache, block [BLOCK_N, 512]
@@ -193,30 +226,13 @@ if _GLUON_OK:
         k_pe_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_ROPE], pe_sl)
         p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(NUM_STAGES):
-            mbarrier.init(bars.index(st), count=1)
-
         bt_row = bt_ptr + b.to(gl.int64) * stride_btb
         # Start the ring before anything else, so the first tiles' HBM latency overlaps
-        # the q staging below.
-        for st in gl.static_range(NUM_STAGES):
-            if st < n_local:
-                row = _tile_row(bt_row, tile_lo + st, page_size, True, BLOCK_N)
-                _issue_tile(lat_desc, pe_desc, row, bars.index(st), k_lat_s.index(st),
-                            k_pe_s.index(st))  # fmt: skip
-
-        # q -> bf16 in shared memory (rows past num_heads are zeros: finite scores, not stored).
-        offs_qh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_layout))
-        offs_ql = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_layout))
-        offs_qr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_layout))
-        q_rows = q_ptr + b.to(gl.int64) * stride_qb + offs_qh[:, None] * stride_qh
-        qh_ok = offs_qh[:, None] < num_heads
-        q_lat = gl.load(q_rows + offs_ql[None, :], mask=qh_ok, other=0.0)
-        q_lat_s.store(q_lat.to(gl.bfloat16))
-        q_pe = gl.load(q_rows + D_LAT + offs_qr[None, :], mask=qh_ok, other=0.0)
-        q_pe_s.store(q_pe.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
+        # the q staging.
+        _start_ring(bars, lat_desc, pe_desc, k_lat_s, k_pe_s, bt_row, tile_lo, n_local,
+                    page_size, NUM_STAGES, BLOCK_N)  # fmt: skip
+        _stage_q(q_ptr, b, hg, stride_qb, stride_qh, num_heads, q_lat_s, q_pe_s, ld_layout,
+                 BLOCK_H, D_LAT, D_ROPE)  # fmt: skip
 
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -285,8 +301,8 @@ if _GLUON_OK:
             q_lat_s.store(o.to(gl.bfloat16))
             gl.thread_barrier()
             o_st = q_lat_s.load(ld_layout)
-            offs_sh = offs_qh
-            offs_sd = offs_ql
+            offs_sh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_layout))
+            offs_sd = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_layout))
         else:  # fp32 destination: keep full precision, store from the accumulator layout
             o_st = o
             offs_sh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
@@ -377,27 +393,11 @@ if _GLUON_OK:
         k_pe_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_ROPE], pe_sl)
         pt_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], pt_sl)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(NUM_STAGES):
-            mbarrier.init(bars.index(st), count=1)
-
         bt_row = bt_ptr + b.to(gl.int64) * stride_btb
-        for st in gl.static_range(NUM_STAGES):
-            if st < n_local:
-                row = _tile_row(bt_row, tile_lo + st, page_size, True, BLOCK_N)
-                _issue_tile(lat_desc, pe_desc, row, bars.index(st), k_lat_s.index(st),
-                            k_pe_s.index(st))  # fmt: skip
-
-        offs_qh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-        offs_ql = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, q_layout))
-        offs_qr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, q_layout))
-        q_rows = q_ptr + b.to(gl.int64) * stride_qb + offs_qh[:, None] * stride_qh
-        qh_ok = offs_qh[:, None] < num_heads
-        q_lat = gl.load(q_rows + offs_ql[None, :], mask=qh_ok, other=0.0)
-        q_lat_s.store(q_lat.to(gl.bfloat16))
-        q_pe = gl.load(q_rows + D_LAT + offs_qr[None, :], mask=qh_ok, other=0.0)
-        q_pe_s.store(q_pe.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
+        _start_ring(bars, lat_desc, pe_desc, k_lat_s, k_pe_s, bt_row, tile_lo, n_local,
+                    page_size, NUM_STAGES, BLOCK_N)  # fmt: skip
+        _stage_q(q_ptr, b, hg, stride_qb, stride_qh, num_heads, q_lat_s, q_pe_s, q_layout,
+                 BLOCK_H, D_LAT, D_ROPE)  # fmt: skip
 
         head_l: gl.constexpr = gl.SliceLayout(0, st_layout)
         tok_l: gl.constexpr = gl.SliceLayout(1, st_layout)
