@@ -462,7 +462,84 @@ def moe_rows_f16(ms: tuple[int, ...] = (4, 8, 16, 32)) -> None:
             _moe_sweep(f"moe_rows_f16[{kern or 'auto'}]", run, [cfg], m, routes, tws, nbytes)
 
 
+def ds_one_token() -> None:
+    """DeepSeek-V3's batch-1 decode products as served (session 20): the fused block-FP8 MoE
+    with the shared expert as a ninth slot (9 distinct of 257 experts, one token, direct
+    blocks, combine in the down launch), its gate_up and down tiles varied separately
+    (DOWN_* keys), products summed per tile or once per program (LATE_SUM); and the dense
+    M=1 GEMVs of attention with deeper split-K and pipelines."""
+    e_, h, i, slots = 257, 7168, 2048, 9
+    bank = rand_fp8_experts(e_, h, i)
+    per_expert = 3 * i * h + 4 * 3 * (i // 128) * (h // 128)
+    routes, tws, x, out, nbytes = _moe_inputs(e_, 1, slots, h, per_expert, 16)
+    counters = torch.zeros(h, dtype=torch.int32, device="cuda")
+    base = dict(MP=1, BLOCK_N=16, DOWN_BLOCK_N=32, BLOCK_K=128, num_warps=2, num_stages=1)
+    base["STAGES"] = 4
+    gate_up = [
+        dict(BLOCK_N=bn, num_warps=w, STAGES=st, LATE_SUM=ls, DOWN_WARPS=2, DOWN_STAGES=4)
+        for bn, w, st, ls in (
+            (16, 2, 4, 1),
+            (16, 2, 6, 0),
+            (16, 2, 8, 0),
+            (16, 2, 6, 1),
+            (32, 2, 4, 0),
+            (32, 2, 4, 1),
+            (32, 4, 4, 0),
+            (32, 4, 6, 1),
+            (8, 1, 4, 0),
+            (8, 1, 8, 0),
+            (16, 1, 4, 0),
+            (16, 4, 4, 1),
+        )
+    ]
+    down = [
+        dict(DOWN_BLOCK_N=bn, DOWN_WARPS=w, DOWN_STAGES=st, DOWN_BLOCK_K=bk)
+        for bn, w, st, bk in (
+            (16, 2, 4, 128),
+            (16, 1, 4, 128),
+            (32, 2, 6, 128),
+            (32, 4, 4, 128),
+            (64, 4, 4, 128),
+            (64, 2, 4, 128),
+            (32, 2, 8, 64),
+            (16, 1, 6, 128),
+            (8, 1, 4, 128),
+        )
+    ]
+    cands = [None] + [{**base, **c} for c in gate_up + down]
+
+    def run(r, tw, cfg, x=x, out=out, bank=bank):
+        return fused_moe_fp8(
+            x, r, tw, *bank, out=out, kernel="gemv", config=cfg, combine_counters=counters
+        ).clone()
+
+    _moe_sweep("ds_moe9", run, cands, 1, routes, tws, nbytes)
+    del bank, run
+    torch.cuda.empty_cache()
+    dense = [
+        _gemv_cfg(bn, 128, w, st, sk, **extra)
+        for bn, w, st, sk, extra in (
+            (32, 2, 4, 0, {}),
+            (32, 2, 4, 0, {"LATE_SUM": 1}),
+            (32, 2, 6, 0, {}),
+            (32, 2, 8, 0, {}),
+            (16, 2, 4, 0, {}),
+            (32, 2, 4, 12, {}),
+            (32, 2, 4, 16, {}),
+            (16, 1, 4, 16, {}),
+            (16, 1, 4, 28, {}),
+            (32, 1, 6, 16, {"LATE_SUM": 1}),
+            (64, 2, 4, 16, {}),
+            (64, 4, 4, 28, {}),
+        )
+    ]
+    for name in ("q_a_kv_a_proj", "q_b_proj", "o_proj"):
+        n, k = FP8_SHAPES[name]
+        _fp8_dense_shape(name, n, k, (1,), [("gemv", None)] + [("gemv", c) for c in dense])
+
+
 PARTS = {
+    "ds_one_token": ds_one_token,
     "moe_rows_f16": moe_rows_f16,
     "f16": f16,
     "dense": dense,

@@ -117,6 +117,7 @@ def fp8_gemv_rows(
     K_ITERS: tl.constexpr,
     STAGES: tl.constexpr,
     SCALE_BLOCK: tl.constexpr = 128,
+    LATE_SUM: tl.constexpr = 0,
 ):
     """Dot products of R weight rows (pointers [R, 1], one 128-row scale block whose scale row
     starts at s_row) with up to 4 activation rows (pointers x_rows, used where oks) over
@@ -124,26 +125,42 @@ def fp8_gemv_rows(
     past MP stay 0). BLOCK_K divides
     128, so a tile has one scale; each weight tile is converted once and serves every row.
     STAGES > 0 lets Triton pipeline the weight tiles through that many shared-memory buffers
-    (it pipelines loads that feed no tl.dot only when the loop names its stages)."""
+    (it pipelines loads that feed no tl.dot only when the loop names its stages).
+    LATE_SUM (one row only): products accumulate elementwise in [R, BLOCK_K] and are reduced
+    across the threads once after the loop instead of once per tile."""
+    x0, x1, x2, x3 = x_rows
+    ok0, ok1, ok2, ok3 = oks
     acc0 = tl.zeros((R,), dtype=tl.float32)
     acc1 = tl.zeros((R,), dtype=tl.float32)
     acc2 = tl.zeros((R,), dtype=tl.float32)
     acc3 = tl.zeros((R,), dtype=tl.float32)
-    x0, x1, x2, x3 = x_rows
-    ok0, ok1, ok2, ok3 = oks
-    for it in tl.range(0, K_ITERS, num_stages=STAGES if STAGES > 0 else None):
-        k0 = k_begin + it * BLOCK_K
-        kk = k0 + tl.arange(0, BLOCK_K)
-        w = _load_w(rows, n_ok, kk, K, SCALED)
-        s = 1.0
-        if SCALED:
-            s = tl.load(s_row + k0 // SCALE_BLOCK)
-        acc0 = _slot_dot(acc0, w, x0, ok0, kk, K, s)
-        if MP > 1:
-            acc1 = _slot_dot(acc1, w, x1, ok1, kk, K, s)
-        if MP > 2:
-            acc2 = _slot_dot(acc2, w, x2, ok2, kk, K, s)
-            acc3 = _slot_dot(acc3, w, x3, ok3, kk, K, s)
+    if LATE_SUM:
+        tl.static_assert(MP == 1)
+        wide = tl.zeros((R, BLOCK_K), dtype=tl.float32)
+        for it in tl.range(0, K_ITERS, num_stages=STAGES if STAGES > 0 else None):
+            k0 = k_begin + it * BLOCK_K
+            kk = k0 + tl.arange(0, BLOCK_K)
+            w = _load_w(rows, n_ok, kk, K, SCALED)
+            s = 1.0
+            if SCALED:
+                s = tl.load(s_row + k0 // SCALE_BLOCK)
+            xv = tl.load(x0 + kk, mask=ok0 & (kk < K), other=0.0).to(tl.float32) * s
+            wide += w * xv[None, :]
+        acc0 = tl.sum(wide, axis=1)
+    else:
+        for it in tl.range(0, K_ITERS, num_stages=STAGES if STAGES > 0 else None):
+            k0 = k_begin + it * BLOCK_K
+            kk = k0 + tl.arange(0, BLOCK_K)
+            w = _load_w(rows, n_ok, kk, K, SCALED)
+            s = 1.0
+            if SCALED:
+                s = tl.load(s_row + k0 // SCALE_BLOCK)
+            acc0 = _slot_dot(acc0, w, x0, ok0, kk, K, s)
+            if MP > 1:
+                acc1 = _slot_dot(acc1, w, x1, ok1, kk, K, s)
+            if MP > 2:
+                acc2 = _slot_dot(acc2, w, x2, ok2, kk, K, s)
+                acc3 = _slot_dot(acc3, w, x3, ok3, kk, K, s)
     return acc0, acc1, acc2, acc3
 
 
@@ -168,6 +185,7 @@ def _fp8_block_gemv_kernel(
     SPLIT_K: tl.constexpr,
     K_ITERS: tl.constexpr,
     STAGES: tl.constexpr,
+    LATE_SUM: tl.constexpr = 0,
 ):
     """out [M, N] = x @ dequant(W)^T for MP <= 4 rows of x per program, on CUDA cores: grid
     (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, MP)); BLOCK_N divides 128, so the program's rows share
@@ -182,7 +200,7 @@ def _fp8_block_gemv_kernel(
     x_rows, oks = dense_x_rows(x_ptr, row0, stride_xm, M)
     a0, a1, a2, a3 = fp8_gemv_rows(
         x_rows, oks, rows, n_ok[:, None], s_row, pid_k * K_ITERS * BLOCK_K, K,
-        BLOCK_N, BLOCK_K, MP, True, K_ITERS, STAGES, SCALE_BLOCK,
+        BLOCK_N, BLOCK_K, MP, True, K_ITERS, STAGES, SCALE_BLOCK, LATE_SUM,
     )  # fmt: skip
     # [BLOCK_N, MP] in row order (each join adds the new lowest index)
     if MP == 1:
@@ -375,6 +393,7 @@ def _fp8_block_gemv(
         SPLIT_K=split,
         K_ITERS=k_iters,
         STAGES=cfg.get("STAGES", 0),
+        LATE_SUM=cfg.get("LATE_SUM", 0) if mp == 1 else 0,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -110,6 +110,7 @@ def _moe_gate_up_gemv_kernel(
     K_ITERS: tl.constexpr,
     STAGES: tl.constexpr = 0,
     DIRECT: tl.constexpr = 0,
+    LATE_SUM: tl.constexpr = 0,
 ):
     """inter[slot, n] = silu(gate) * up for the MP slots of block pid(0), columns of tile
     pid(1). Blocks vary fastest, so the blocks of one expert read a tile about together."""
@@ -128,11 +129,13 @@ def _moe_gate_up_gemv_kernel(
     u_s = g_s + (INTER // 128) * kb
     x_rows, oks = slot_x_rows(x_ptr, (s0, s1, s2, s3), TOPK, stride_xm, Mk)
     g0, g1, g2, g3 = fp8_gemv_rows(
-        x_rows, oks, g_rows, n_ok, g_s, 0, H, BLOCK_N, BLOCK_K, MP, SCALED, K_ITERS, STAGES
-    )
+        x_rows, oks, g_rows, n_ok, g_s, 0, H, BLOCK_N, BLOCK_K, MP, SCALED, K_ITERS, STAGES,
+        128, LATE_SUM,
+    )  # fmt: skip
     u0, u1, u2, u3 = fp8_gemv_rows(
-        x_rows, oks, u_rows, n_ok, u_s, 0, H, BLOCK_N, BLOCK_K, MP, SCALED, K_ITERS, STAGES
-    )
+        x_rows, oks, u_rows, n_ok, u_s, 0, H, BLOCK_N, BLOCK_K, MP, SCALED, K_ITERS, STAGES,
+        128, LATE_SUM,
+    )  # fmt: skip
     _store_act(g0, u0, s0, Mk, inter_ptr, offs_n, INTER)
     if MP > 1:
         _store_act(g1, u1, s1, Mk, inter_ptr, offs_n, INTER)
@@ -172,6 +175,7 @@ def _moe_down_gemv_kernel(
     DIRECT: tl.constexpr = 0,
     COMBINE: tl.constexpr = 0,  # 0, or the token's slots rounded up to a power of two
     ACCUMULATE: tl.constexpr = 0,
+    LATE_SUM: tl.constexpr = 0,
 ):
     """y[slot, n] = topk_weight[slot] * (inter[slot] @ W2_e^T)[n] in fp32. COMBINE (direct
     blocks only): out = the sum of the slots' rows too (moe.py's _combine_if_last)."""
@@ -205,6 +209,8 @@ def _moe_down_gemv_kernel(
         SCALED,
         K_ITERS,
         STAGES,
+        128,
+        LATE_SUM,
     )
     _store_y(a0, s0, Mk, topk_w_ptr, y_ptr, offs_n, H)
     if MP > 1:
@@ -381,6 +387,9 @@ def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled, into: CombineInto):
     inter_size = two_i // 2
     topk = ids.shape[1]
     mp, bn, bn2, bk = cfg["MP"], cfg["BLOCK_N"], cfg["DOWN_BLOCK_N"], cfg["BLOCK_K"]
+    # optional: the down launch's own K tile / warps / stages; products summed once per program
+    bk2 = cfg.get("DOWN_BLOCK_K", bk)
+    late_sum = cfg.get("LATE_SUM", 0) if mp == 1 else 0
     mk = ids.numel()
     sorted_ids, expert_ids, direct = gemv_blocks(ids, num_e, mp)
     nb = expert_ids.numel()
@@ -406,6 +415,7 @@ def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled, into: CombineInto):
         K_ITERS=triton.cdiv(h, bk),
         STAGES=cfg.get("STAGES", 0),
         DIRECT=direct,
+        LATE_SUM=late_sum,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -426,14 +436,15 @@ def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled, into: CombineInto):
         inter_size,
         MP=mp,
         BLOCK_N=bn2,
-        BLOCK_K=bk,
+        BLOCK_K=bk2,
         SCALED=scaled,
-        K_ITERS=triton.cdiv(inter_size, bk),
-        STAGES=cfg.get("STAGES", 0),
+        K_ITERS=triton.cdiv(inter_size, bk2),
+        STAGES=cfg.get("DOWN_STAGES", cfg.get("STAGES", 0)),
         DIRECT=direct,
         COMBINE=triton.next_power_of_2(mk) if direct else 0,
         ACCUMULATE=into.accumulate,
-        num_warps=cfg["num_warps"],
+        LATE_SUM=late_sum,
+        num_warps=cfg.get("DOWN_WARPS", cfg["num_warps"]),
         num_stages=cfg["num_stages"],
     )
     return None if direct else y

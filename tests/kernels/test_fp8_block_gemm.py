@@ -60,6 +60,7 @@ GEMV = dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, num_warps=2, num_stages=1, STAGES
         (2, 130, 260, dict(GEMV, SPLIT_K=2)),  # split-K meets in the workspace
         (4, 256, 384, dict(GEMV, BLOCK_N=32, STAGES=0)),  # 4 rows per weight pass, no pipeline
         (7, 96, 256, dict(GEMV, BLOCK_K=128)),  # 4 + 3 rows: the second program masks one
+        (1, 200, 300, dict(GEMV, LATE_SUM=1, SPLIT_K=2)),  # products summed once per program
     ],
 )
 def test_gemv_matches_reference(m, n, k, cfg):

@@ -106,7 +106,9 @@ def test_one_token_combines_in_the_down_launch_and_rezeroes_its_counters(bank, a
     matches the oracle and the counters end zeroed."""
     w13, s13, d13, w2, s2, d2 = bank
     counters = torch.zeros(H, dtype=torch.int32)
-    cfg = dict(MP=1, BLOCK_N=64, DOWN_BLOCK_N=32, BLOCK_K=64)
+    # the down launch with its own K tile and warps, products summed once per program
+    cfg = dict(MP=1, BLOCK_N=64, DOWN_BLOCK_N=32, BLOCK_K=64, LATE_SUM=1)
+    cfg.update(DOWN_BLOCK_K=32, DOWN_WARPS=2, DOWN_STAGES=2)
     for seed in (5, 6):
         ids, tw = _route(1, 3, seed, foreign=seed == 6)
         x = torch.randn(1, H, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
