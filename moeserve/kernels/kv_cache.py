@@ -65,7 +65,9 @@ def _interleave(y1, y2, ROWS: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _write_mla_cache_kernel(
+def rope_write_program(
+    t,
+    hb,
     c_ptr,
     pe_ptr,
     kv_ptr,
@@ -95,10 +97,10 @@ def _write_mla_cache_kernel(
     HAS_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    # Grid (tokens, head blocks): every program rotates BLOCK_H query heads of its token,
-    # the first one also writes the token's cache row.
-    t = tl.program_id(0)
-    hb = tl.program_id(1)
+    """Token t's share of a rope + cache write (module docstring): rotate its query heads
+    hb * BLOCK_H .. + BLOCK_H; for hb == 0 also write its cache row. The arguments after
+    (t, hb) are `CacheWrite.kernel_args`' in order, so another launch can carry the write
+    (mla_absorb's W_UK kernel at decode rows)."""
     t64 = t.to(tl.int64)
     HALF: tl.constexpr = D_ROPE // 2
     offs_r = tl.arange(0, D_ROPE)
@@ -138,6 +140,47 @@ def _write_mla_cache_kernel(
             dst = kv_ptr.dtype.element_ty
             tl.store(row + offs_d, c.to(dst))
             tl.store(row + D_LAT + offs_r[None, :], pe.to(dst))
+
+
+@triton.jit
+def _write_mla_cache_kernel(
+    c_ptr,
+    pe_ptr,
+    kv_ptr,
+    slot_ptr,
+    scale_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    qo_ptr,
+    stride_c,
+    stride_pe,
+    stride_kv_page,
+    stride_kv_tok,
+    page_size,
+    stride_cs,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_qot,
+    stride_qoh,
+    D_LAT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ROPE: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # Grid (tokens, head blocks): every program rotates BLOCK_H query heads of its token,
+    # the first one also writes the token's cache row.
+    rope_write_program(
+        tl.program_id(0), tl.program_id(1), c_ptr, pe_ptr, kv_ptr, slot_ptr, scale_ptr,
+        pos_ptr, cos_ptr, sin_ptr, q_ptr, qo_ptr, stride_c, stride_pe, stride_kv_page,
+        stride_kv_tok, page_size, stride_cs, num_heads, stride_qt, stride_qh, stride_qot,
+        stride_qoh, D_LAT, D_ROPE, QUANT, FP8_MAX, ROPE, HAS_Q, BLOCK_H,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -189,6 +232,69 @@ def _check(
         raise ValueError("q_pe_out needs q_pe, and the same shape")
 
 
+@dataclass(frozen=True)
+class CacheWrite:
+    """One rope + cache write (arguments of :func:`write_mla_cache`), checked on creation,
+    as the launch arguments of `rope_write_program`, so that it can run in its own launch
+    or inside another one."""
+
+    c: torch.Tensor
+    k_pe: torch.Tensor
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    kv_scale: torch.Tensor | None = None
+    rope: CacheRope | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.c, self.k_pe, self.kv_cache, self.slot_mapping, self.kv_scale, self.rope)
+
+    @property
+    def heads(self) -> int:
+        """Query heads rotated (1 without a query)."""
+        q = self.rope.q_pe if self.rope is not None else None
+        return q.shape[1] if q is not None else 1
+
+    def kernel_args(self) -> tuple[tuple, dict]:
+        """(runtime arguments, constexprs except BLOCK_H) of `rope_write_program` after
+        (t, hb). Tensors that a stage does not use are replaced by `c` (never read)."""
+        c, k_pe, kv_cache, rope = self.c, self.k_pe, self.kv_cache, self.rope
+        quant = kv_cache.dtype == torch.float8_e4m3fn
+        q = rope.q_pe if rope is not None else None
+        qo = (rope.q_pe_out if rope.q_pe_out is not None else q) if rope is not None else None
+        args = (
+            c,
+            k_pe,
+            kv_cache,
+            self.slot_mapping,
+            self.kv_scale if quant else c,
+            rope.positions if rope is not None else self.slot_mapping,
+            rope.cos if rope is not None else c,
+            rope.sin if rope is not None else c,
+            q if q is not None else c,
+            qo if qo is not None else c,
+            c.stride(0),
+            k_pe.stride(0),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.shape[1],
+            rope.cos.stride(0) if rope is not None else 0,
+            self.heads,
+            q.stride(0) if q is not None else 0,
+            q.stride(1) if q is not None else 0,
+            qo.stride(0) if qo is not None else 0,
+            qo.stride(1) if qo is not None else 0,
+        )
+        constexprs = dict(
+            D_LAT=KV_LORA_RANK,
+            D_ROPE=ROPE_DIM,
+            QUANT=quant,
+            FP8_MAX=FP8_E4M3_MAX,
+            ROPE=rope is not None,
+            HAS_Q=q is not None,
+        )
+        return args, constexprs
+
+
 def write_mla_cache(
     c: torch.Tensor,
     k_pe: torch.Tensor,
@@ -199,45 +305,13 @@ def write_mla_cache(
 ) -> None:
     """Store row ``[c[t] | k_pe[t]]`` at ``slot_mapping[t]`` for every t with a slot >= 0;
     with ``rope``, k_pe is rotated before it is stored and q_pe rotated too (one launch)."""
-    _check(c, k_pe, kv_cache, slot_mapping, kv_scale, rope)
+    write = CacheWrite(c, k_pe, kv_cache, slot_mapping, kv_scale, rope)
     if c.shape[0] == 0:
         return
-    quant = kv_cache.dtype == torch.float8_e4m3fn
-    q = rope.q_pe if rope is not None else None
-    qo = (rope.q_pe_out if rope.q_pe_out is not None else q) if rope is not None else None
-    heads = q.shape[1] if q is not None else 1
-    block_h = min(triton.next_power_of_2(heads), _ROPE_HEADS_PER_PROGRAM)
-    _write_mla_cache_kernel[(c.shape[0], triton.cdiv(heads, block_h))](
-        c,
-        k_pe,
-        kv_cache,
-        slot_mapping,
-        kv_scale if quant else c,
-        rope.positions if rope is not None else slot_mapping,
-        rope.cos if rope is not None else c,
-        rope.sin if rope is not None else c,
-        q if q is not None else c,
-        qo if qo is not None else c,
-        c.stride(0),
-        k_pe.stride(0),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.shape[1],
-        rope.cos.stride(0) if rope is not None else 0,
-        heads,
-        q.stride(0) if q is not None else 0,
-        q.stride(1) if q is not None else 0,
-        qo.stride(0) if qo is not None else 0,
-        qo.stride(1) if qo is not None else 0,
-        D_LAT=KV_LORA_RANK,
-        D_ROPE=ROPE_DIM,
-        QUANT=quant,
-        FP8_MAX=FP8_E4M3_MAX,
-        ROPE=rope is not None,
-        HAS_Q=q is not None,
-        BLOCK_H=block_h,
-        num_warps=2,
-    )
+    args, constexprs = write.kernel_args()
+    block_h = min(triton.next_power_of_2(write.heads), _ROPE_HEADS_PER_PROGRAM)
+    grid = (c.shape[0], triton.cdiv(write.heads, block_h))
+    _write_mla_cache_kernel[grid](*args, **constexprs, BLOCK_H=block_h, num_warps=2)
 
 
 def rope_interleaved_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

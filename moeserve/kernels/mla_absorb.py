@@ -29,6 +29,7 @@ import triton.language as tl
 
 from moeserve.kernels.configs import max_rows, tile_config
 from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, fp8_gemv_rows
+from moeserve.kernels.kv_cache import CacheWrite, rope_write_program
 from moeserve.kernels.splitk import dense_x_rows
 
 MAX_MP = 4  # x rows per program (one weight pass serves them all)
@@ -140,12 +141,54 @@ def _absorb_uk_kernel(
     SCALED: tl.constexpr,
     STAGES: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
+    # kv_cache.rope_write_program's arguments (CacheWrite.kernel_args), used with ROPE_WRITE
+    c_ptr,
+    pe_ptr,
+    kv_ptr,
+    slot_ptr,
+    kv_scale_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_pe_ptr,
+    q_pe_out_ptr,
+    stride_c,
+    stride_pe,
+    stride_kv_page,
+    stride_kv_tok,
+    page_size,
+    stride_cs,
+    rope_heads,
+    stride_qt,
+    stride_qh,
+    stride_qot,
+    stride_qoh,
+    D_LAT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ROPE: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    ROPE_WRITE: tl.constexpr,
 ):
     """out[t, h, l] = sum_d x[t, h, d] W[h*HEAD_ROWS + d, l]; grid (cdiv(L, BLOCK_L), H,
-    cdiv(T, MP)); BLOCK_L divides SCALE_BLOCK."""
+    cdiv(T, MP)); BLOCK_L divides SCALE_BLOCK. ROPE_WRITE: the first column tile's programs
+    also run the decode rows' rope + cache write, head h each (the write's own launch, ~3 us
+    at one row, is then gone)."""
     pid_l = tl.program_id(0)
     h = tl.program_id(1)
     row0 = tl.program_id(2) * MP
+    if ROPE_WRITE:
+        if pid_l == 0:
+            for i in tl.static_range(MP):
+                if row0 + i < T:
+                    rope_write_program(
+                        row0 + i, h, c_ptr, pe_ptr, kv_ptr, slot_ptr, kv_scale_ptr, pos_ptr,
+                        cos_ptr, sin_ptr, q_pe_ptr, q_pe_out_ptr, stride_c, stride_pe,
+                        stride_kv_page, stride_kv_tok, page_size, stride_cs, rope_heads,
+                        stride_qt, stride_qh, stride_qot, stride_qoh, D_LAT, D_ROPE, QUANT,
+                        FP8_MAX, ROPE, HAS_Q, 1,
+                    )  # fmt: skip
     offs_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     l_ok = offs_l < L
     first = h.to(tl.int64) * HEAD_ROWS
@@ -237,6 +280,27 @@ def check_absorb_weight(
         raise ValueError(f"weight_scale_inv must be contiguous fp32 {want}")
 
 
+# _absorb_uk_kernel's parameters that take CacheWrite.kernel_args' runtime arguments, in order
+_ROPE_WRITE_PARAMS = (
+    "c_ptr", "pe_ptr", "kv_ptr", "slot_ptr", "kv_scale_ptr", "pos_ptr", "cos_ptr", "sin_ptr",
+    "q_pe_ptr", "q_pe_out_ptr", "stride_c", "stride_pe", "stride_kv_page", "stride_kv_tok",
+    "page_size", "stride_cs", "rope_heads", "stride_qt", "stride_qh", "stride_qot", "stride_qoh",
+)  # fmt: skip
+
+
+def _rope_write_args(write: CacheWrite | None, x: torch.Tensor) -> dict:
+    """The uk launch's rope + cache write arguments by name: `write`'s, or placeholders."""
+    if write is None:
+        args = (x,) * 10 + (0,) * 11
+        constexprs = dict(D_LAT=1, D_ROPE=1, QUANT=False, FP8_MAX=1.0, ROPE=False, HAS_Q=False)
+    else:
+        if write.c.shape[0] != x.shape[0] or (write.rope is not None and write.heads != x.shape[1]):
+            raise ValueError("the cache write must cover the product's tokens and heads")
+        args, constexprs = write.kernel_args()
+    named = dict(zip(_ROPE_WRITE_PARAMS, args, strict=True))
+    return {**named, **constexprs, "ROPE_WRITE": write is not None}
+
+
 def absorb_gemv(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -245,11 +309,13 @@ def absorb_gemv(
     mode: str,
     nope: int,
     config: dict[str, int] | None = None,
+    cache_write: CacheWrite | None = None,
 ) -> torch.Tensor:
     """One absorbed product (module docstring) into `out`, returned. x [T, H, nope] ("uk") or
     [T, H, L] ("uv"), out [T, H, L] or [T, H, v], both with a unit last stride (other
     strides free: q_nope and q_lat are column views); (w, scale) checked once by the caller
-    with `check_absorb_weight`."""
+    with `check_absorb_weight`. `cache_write` ("uk" only): the same T tokens' rope + cache
+    write (kv_cache.write_mla_cache), done by this launch; its query must have H heads."""
     t, heads = x.shape[0], x.shape[1]
     if x.stride(-1) != 1 or out.stride(-1) != 1 or out.shape[:2] != x.shape[:2]:
         raise ValueError("x and out must be [T, H, *] with a unit last stride")
@@ -270,17 +336,21 @@ def absorb_gemv(
         bl, bd = cfg["BLOCK_L"], cfg["BLOCK_D"]
         if FP8_BLOCK % bl or FP8_BLOCK % bd:
             raise ValueError(f"BLOCK_L={bl} and BLOCK_D={bd} must divide {FP8_BLOCK}")
+        rope_write = _rope_write_args(cache_write, x)
         grid = (triton.cdiv(lat, bl), heads, triton.cdiv(t, mp))
         _absorb_uk_kernel[grid](
             x, wb, s, out, t, lat, kb, *common,
             HEAD_ROWS=head_rows, NOPE=nope, MP=mp, BLOCK_L=bl, BLOCK_D=bd,
             D_ITERS=triton.cdiv(nope, bd), SCALED=scaled,
             STAGES=cfg.get("STAGES", 0), SCALE_BLOCK=FP8_BLOCK,
+            **rope_write,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         return out
     if mode != "uv":
         raise ValueError(f"unknown absorbed product {mode!r}")
+    if cache_write is not None:
+        raise ValueError("only the uk product carries a cache write")
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     if FP8_BLOCK % bn or FP8_BLOCK % bk:
         raise ValueError(f"BLOCK_N={bn} and BLOCK_K={bk} must divide {FP8_BLOCK}")

@@ -165,3 +165,34 @@ def test_gpu_fp8_block_moe_in_graphs_matches_cpu_reference(tmp_path, monkeypatch
     tol = 2 * max(floor[0], floor[1]) + 0.02
     assert gpu[0] <= tol and gpu[1] <= tol
     assert min(gpu[2]) >= min(min(floor[2]), STEPS // 2) or min(gpu[2]) == STEPS
+
+
+def test_gpu_fp8_absorbed_decode_carries_the_cache_write(tmp_path, monkeypatch):
+    """DeepSeek block-FP8 with 128-wide nope and value heads (whole 128-row scale blocks of
+    kv_b_proj): at decode the absorbed W_UK kernel reads the stored FP8 weight and carries
+    the rope + cache write (no write launch of its own), in CUDA graphs; the tokens follow
+    the fp32 CPU reference."""
+    import dataclasses
+
+    shape = dataclasses.replace(SHAPE, nope=128, v_dim=128)
+    path = str(tmp_path / "dsv3a")
+    write_checkpoint(path, "deepseek-v3", "fp8-block", shape=shape, seed=4)
+    absorb = _count_calls(monkeypatch, "moeserve.kernels.mla_absorb", "absorb_gemv")
+    kw = dict(max_model_len=256)
+    cpu = LLM(path, device="cpu", dtype="float32", **kw)
+    prompts = [cpu.tokenizer.encode(t, add_special_tokens=False) for t in ("Hello there", "abc")]
+    ref = cpu.generate(
+        prompts,
+        SamplingParams(
+            max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=0
+        ),
+    )
+    floor = _compare(prompts, ref, LLM(path, device="cpu", dtype="bfloat16", **kw))
+    gpu_llm = LLM(path, device="cuda", dtype="bfloat16", **kw)
+    assert gpu_llm.engine.runner.graphs is not None, gpu_llm.engine.runner.graph_status
+    gpu = _compare(prompts, ref, gpu_llm)
+    print(f"fp8 absorbed decode: {absorb[0]} absorb_gemv calls; cpu-bf16 {floor}; gpu-bf16 {gpu}")
+    assert absorb[0] > 0
+    tol = 2 * max(floor[0], floor[1]) + 0.02
+    assert gpu[0] <= tol and gpu[1] <= tol
+    assert min(gpu[2]) >= min(min(floor[2]), STEPS // 2) or min(gpu[2]) == STEPS

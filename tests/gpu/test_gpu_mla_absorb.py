@@ -68,3 +68,46 @@ def test_graph_replay_reads_new_inputs():
         x.copy_(torch.randn(x.shape, device=DEV, generator=torch.Generator(DEV).manual_seed(seed)))
         g.replay()
         _close(out, torch.einsum("thd,hdl->thl", x.float(), dense[:, :NOPE]))
+
+
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_uk_launch_carries_the_rope_and_cache_write(heads, cache_dtype):
+    """The decode rows' rope + cache write inside the W_UK launch against the write's own
+    torch reference (padding slot, permuted pages, NaN elsewhere) and the product against
+    per-head matmuls."""
+    from moeserve.kernels import kv_cache as kv
+    from moeserve.layers.rotary import RotaryEmbedding
+
+    w, s, dense = _kv_b(heads, True, seed=11)
+    rot = RotaryEmbedding(ROPE, 4096, 10000.0, None, interleaved=True).to(DEV)
+    for tokens in (1, 3):
+        gen = torch.Generator(DEV).manual_seed(tokens)
+        q = torch.randn(tokens, heads, NOPE + ROPE, device=DEV, generator=gen).bfloat16()
+        kv_a = torch.randn(tokens, LAT + ROPE, device=DEV, generator=gen).bfloat16()
+        positions = torch.randint(0, 4096, (tokens,), device=DEV, generator=gen)
+        slots = torch.randperm(64, device=DEV, generator=gen)[:tokens].long()
+        slots[1:2] = -1  # a padding row (CUDA-graph batch)
+        scale = torch.tensor([0.05], device=DEV) if cache_dtype != torch.bfloat16 else None
+        cache = torch.full((4, 16, LAT + ROPE), float("nan"), device=DEV).to(cache_dtype)
+        ref_cache = cache.clone()
+        q_abs = torch.full((tokens, heads, LAT + ROPE), float("nan"), device=DEV).bfloat16()
+        rope = kv.CacheRope(positions, rot.cos, rot.sin, q[..., NOPE:], q_abs[..., LAT:])
+        write = kv.CacheWrite(kv_a[:, :LAT], kv_a[:, LAT:], cache, slots, scale, rope)
+        ma.absorb_gemv(q[..., :NOPE], w, s, q_abs[..., :LAT], "uk", NOPE, cache_write=write)
+        ref_q = torch.empty(tokens, heads, ROPE, device=DEV, dtype=torch.bfloat16)
+        ref_rope = kv.CacheRope(positions, rot.cos, rot.sin, q[..., NOPE:], ref_q)
+        kv.write_mla_cache_ref(kv_a[:, :LAT], kv_a[:, LAT:], ref_cache, slots, scale, ref_rope)
+        # as the write's own launch (test_gpu_mla_fused.py): within one bf16 ulp (fused
+        # multiply-adds), one e4m3 step where that rounding differed
+        got_q, want_q = q_abs[..., LAT:].float(), ref_q.float()
+        assert torch.all((got_q - want_q).abs() <= want_q.abs() / 128 + 1e-6)
+        got, want = cache.float(), ref_cache.float()
+        assert torch.equal(got.isnan(), want.isnan())
+        g, w = got.nan_to_num(), want.nan_to_num()
+        step = 128 if cache_dtype == torch.bfloat16 else 8
+        assert torch.all((g - w).abs() <= w.abs() / step + 1e-3)
+        assert (g == w).float().mean() > 0.95
+        _close(
+            q_abs[..., :LAT], torch.einsum("thd,hdl->thl", q[..., :NOPE].float(), dense[:, :NOPE])
+        )

@@ -141,3 +141,42 @@ def test_rope_argument_checks():
         kv_mod.write_mla_cache(
             c, k_pe, cache, slots, None, kv_mod.CacheRope(positions, rot.cos, rot.sin, q[..., :32])
         )
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "page_size", "cache_dtype"),
+    [(1, 3, 16, torch.bfloat16), (3, 5, 1, FP8), (6, 2, 64, torch.bfloat16)],
+)
+def test_absorbed_uk_launch_carries_the_rope_and_cache_write(tokens, heads, page_size, cache_dtype):
+    """Decode rows: mla_absorb's W_UK launch also ropes q_pe and writes the cache (no launch
+    of its own). Oracles: the write's torch reference, and per-head fp32 matmuls on the
+    dequantized kv_b_proj weight for the product."""
+    from moeserve.kernels import fp8_block_gemm as f8
+    from moeserve.kernels import mla_absorb as ma
+
+    if ma.rope_write_program is not kv_mod.rope_write_program:  # follow the reload above
+        ma = importlib.reload(ma)
+    rot = _rotary()
+    act = torch.bfloat16
+    c, k_pe, q, positions, slots, num_pages = _case(tokens, heads, page_size, act, 40 + tokens)
+    scale = torch.tensor([0.07]) if cache_dtype == FP8 else None
+    cache, ref_cache = _caches(num_pages, page_size, cache_dtype)
+    gen = torch.Generator().manual_seed(tokens)
+    w, ws = f8.quantize_fp8_block(torch.randn(heads * (NOPE + 128), 512, generator=gen) * 0.05)
+    q_abs = torch.full((tokens, heads, 576), float("nan"), dtype=act)
+    rope = kv_mod.CacheRope(positions, rot.cos, rot.sin, q[..., NOPE:], q_abs[..., 512:])
+    write = kv_mod.CacheWrite(c, k_pe, cache, slots, scale, rope)
+    ma.absorb_gemv(q[..., :NOPE], w, ws, q_abs[..., :512], "uk", NOPE, cache_write=write)
+
+    ref_q = torch.empty(tokens, heads, 64, dtype=act)
+    ref_rope = kv_mod.CacheRope(positions, rot.cos, rot.sin, q[..., NOPE:], ref_q)
+    kv_mod.write_mla_cache_ref(c, k_pe, ref_cache, slots, scale, ref_rope)
+    assert torch.equal(q_abs[..., 512:], ref_q)
+    assert torch.equal(cache.float().isnan(), ref_cache.float().isnan())
+    assert torch.equal(cache.float().nan_to_num(), ref_cache.float().nan_to_num())
+    want = ma.absorb_ref(q[..., :NOPE], w, ws, "uk", NOPE)
+    atol = 1e-2 * want.abs().max().item()
+    torch.testing.assert_close(q_abs[..., :512].float(), want, rtol=1.6e-2, atol=atol)
+    with pytest.raises(ValueError, match="tokens and heads"):
+        ma.absorb_gemv(q[:, :1, :NOPE], w[: NOPE + 128], ws[:2], q_abs[:, :1, :512], "uk", NOPE,
+                       cache_write=write)  # fmt: skip

@@ -18,7 +18,8 @@ they are one GEMM (`fused_qkv_a_proj`, shard 0 = q_a, 1 = kv_a; checkpoint names
 Two execution paths:
 - kernels (CUDA, published 512 + 64 layout; `_forward_kernels`): fused a-GEMM -> both
   a-norms in one launch (in place) -> q_b_proj -> W_UK product into the absorbed query
-  [T, H, 576] -> one launch that ropes q_pe (into that query) and k_pe and writes the cache ->
+  [T, H, 576] and one launch that ropes q_pe (into that query) and k_pe and writes the cache
+  (where the W_UK kernel serves, decode-sized batches on block-FP8, that launch is its own) ->
   the leading single-token sequences through the split-KV decode kernel, the rest (prefill
   chunks over their cached context) through the prefill kernel -> W_UV product. The two
   products read kv_b_proj as stored (block-FP8 or 16-bit, kernels/mla_absorb.py) for
@@ -59,6 +60,7 @@ from moeserve.layers.quant.scheme import SchemeLinearMethod, dense_weight, gpu_k
 from moeserve.layers.rotary import RotaryEmbedding, yarn_mscale
 
 if TYPE_CHECKING:
+    from moeserve.kernels.kv_cache import CacheWrite
     from moeserve.kernels.mla_decode import MLADecodeWorkspace
 
 log = logging.getLogger(__name__)
@@ -390,21 +392,24 @@ class MLAAttention(nn.Module):
                     log.info("MLA: absorbed products through bmm (%s)", e)
         return self._absorb_stored or None
 
-    def _absorb(self, x: torch.Tensor, out: torch.Tensor, mode: str) -> None:
+    def _absorb(
+        self, x: torch.Tensor, out: torch.Tensor, mode: str, cache_write: CacheWrite | None = None
+    ) -> bool:
         """out = the absorbed product `mode` ("uk": q_nope @ W_UK, "uv": o_lat @ W_UV^T) of
         x [T, h, *]: the kernel on the stored weight for decode-sized T, else bmm on the
-        dense weight."""
+        dense weight. True where the kernel ran, and then it also did `cache_write`."""
         from moeserve.kernels.mla_absorb import absorb_gemv, absorb_max_rows
 
         stored = self._stored_absorb_weight()
         if stored is not None and x.shape[0] <= absorb_max_rows(mode, stored[0], self.num_heads):
-            absorb_gemv(x, *stored, out, mode, self.nope)
-            return
+            absorb_gemv(x, *stored, out, mode, self.nope, cache_write=cache_write)
+            return True
         w_uk, w_uv = self._absorb_weights(x.dtype)
         if mode == "uk":
             torch.bmm(x.transpose(0, 1), w_uk, out=out.transpose(0, 1))
         else:
             torch.bmm(x.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return False
 
     # ---- compute -------------------------------------------------------------------------------
     def forward(
@@ -454,19 +459,21 @@ class MLAAttention(nn.Module):
         md: AttentionMetadata,
     ) -> torch.Tensor:
         """Absorbed MLA for every token through the Triton kernels -> [T, h, v]."""
-        from moeserve.kernels.kv_cache import CacheRope, write_mla_cache
+        from moeserve.kernels.kv_cache import CacheRope, CacheWrite, write_mla_cache
         from moeserve.kernels.mla_decode import mla_decode
         from moeserve.kernels.mla_prefill import mla_prefill
 
         tokens, heads, lat = q.shape[0], self.num_heads, self.kv_lora
-        # absorbed query [T, h, L + R]: q_nope @ W_UK straight into its first L columns ...
+        # absorbed query [T, h, L + R]: q_nope @ W_UK straight into its first L columns, and
+        # roped q_pe into the last R by the launch that ropes k_pe and writes the cache: the
+        # W_UK kernel's own at decode sizes, else a launch of its own
         q_abs = q.new_empty(tokens, heads, lat + self.rope)
-        self._absorb(q[..., : self.nope], q_abs[..., :lat], "uk")
-        # ... roped q_pe into the last R, in the launch that ropes k_pe and writes the cache
         rot = self.rotary[0]
         kv_scale = self.kv_scale if self.kv_cache.dtype == torch.float8_e4m3fn else None
         rope = CacheRope(positions, rot.cos, rot.sin, q[..., self.nope :], q_abs[..., lat:])
-        write_mla_cache(c, k_pe, self.kv_cache, md.slot_mapping, kv_scale, rope)
+        write = CacheWrite(c, k_pe, self.kv_cache, md.slot_mapping, kv_scale, rope)
+        if not self._absorb(q[..., : self.nope], q_abs[..., :lat], "uk", write):
+            write_mla_cache(c, k_pe, self.kv_cache, md.slot_mapping, kv_scale, rope)
         o_lat = q.new_empty(tokens, heads, lat)
         n_dec = md.num_decode_seqs  # the leading one-token sequences = the first n_dec tokens
         if n_dec:
