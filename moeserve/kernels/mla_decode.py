@@ -27,17 +27,36 @@ scalar scale is folded into the softmax scale and the final normalisation, so no
 per-element multiply is spent on it. Stage 2 merges the per-split partial outputs with
 their log-sum-exp. With one split, stage 1 writes ``out`` directly and stage 2 is skipped.
 
+Active splits (decided per sequence inside both kernels, from ``seq_lens``): a sequence of
+``n_tiles = cdiv(seq_len, BLOCK_N)`` tiles gives each split ``tiles_per_split =
+max(cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)`` tiles, so ``active = cdiv(n_tiles,
+tiles_per_split)`` splits hold tokens (0 for an empty sequence). ``MIN_SPLIT_TILES`` is
+``MLADecodeConfig.min_split_tokens`` (default ``_MIN_TOKENS_PER_SPLIT``) in whole tiles:
+the static ``num_splits`` is sized for the block-table capacity, and a short sequence
+would otherwise spread a few tiles over many splits, each paying a partial write and the
+merge a read. Who writes what, per sequence:
+
+- ``active <= 1`` (always so with ``num_splits == 1``): split 0 normalises straight into
+  ``out`` (zeros for an empty sequence); it writes no partials and no lse, and the merge
+  program returns at once, reading nothing else.
+- ``active > 1``: splits ``0 .. active-1`` write their partial and lse, the merge reads
+  exactly those and writes ``out``.
+- Splits ``>= max(active, 1)`` return at once and write nothing: their workspace slots
+  keep whatever they held (stale data, NaN) and are never read.
+
 Performance (H200, benchmarks/results/kernels_mla.md): up to 47-48% of HBM bandwidth for a
 BF16 cache at batch 64 / 128k, 3x the torch peer; FP8 is 0.7-0.9x BF16 speed (the kernel is
 tensor-core-issue bound, see benchmarks/results/kernels_mla_analysis.md for why).
 ``num_splits`` should fill whole waves of CTAs: ``default_num_splits`` does that.
 
 CUDA graphs: every launch shape depends only on tensor shapes and ``num_splits`` (never on
-``seq_lens`` values), and the per-split partials live in a :class:`MLADecodeWorkspace`.
-Allocate one workspace for the largest batch before capture and pass it on every call
-(``workspace=``); the captured graph then reads new ``seq_lens``/``block_tables`` contents
-on replay. Without a workspace the wrapper allocates one per call (fine eagerly, and
-inside a capture it comes from the graph's private pool).
+``seq_lens`` values: the active-split rule above runs inside the kernels, and the merge is
+launched whenever ``num_splits > 1``), and the per-split partials live in a
+:class:`MLADecodeWorkspace`. Allocate one workspace for the largest batch before capture
+and pass it on every call (``workspace=``); the captured graph then reads new
+``seq_lens``/``block_tables`` contents on replay. Without a workspace the wrapper
+allocates one per call (fine eagerly, and inside a capture it comes from the graph's
+private pool).
 """
 
 from __future__ import annotations
@@ -56,7 +75,9 @@ FP8_E4M3_MAX = 448.0
 
 # SMs of an H100/H200, used when the tensors are not on a GPU (interpreter tests).
 _DEFAULT_SM_COUNT = 132
-# Each split should still stream enough KV to amortise its partial write and merge.
+# Each split should still stream enough KV to amortise its partial write and merge: the
+# split heuristic's bound on the static split count, and the default of
+# MLADecodeConfig.min_split_tokens, the per-sequence bound applied inside the kernels.
 _MIN_TOKENS_PER_SPLIT = 128
 # The merge grid is (batch, head blocks, value blocks). Its programs are tiny, and past a
 # few hundred of them the launch itself costs ~5 ns per program (H200: 4096 programs took
@@ -96,6 +117,10 @@ class MLADecodeConfig:
     ctas_per_sm: int = 1
     # Load tile t+1 into registers while tile t is computed (use with num_stages=1).
     prefetch: bool = False
+    # Fewest tokens (rounded up to whole tiles) a split of one sequence streams, so short
+    # sequences use fewer splits than the capacity-sized grid and, in one split, skip the
+    # merge. None: _MIN_TOKENS_PER_SPLIT.
+    min_split_tokens: int | None = None
 
 
 DEFAULT_CONFIG = MLADecodeConfig()
@@ -185,6 +210,31 @@ def default_num_splits(
     return max(1, min(want, by_length))
 
 
+def min_split_tiles(min_split_tokens: int, block_n: int) -> int:
+    """``MIN_SPLIT_TILES`` of the kernels: ``min_split_tokens`` rounded up to whole tiles of
+    ``block_n`` tokens (at least one)."""
+    if min_split_tokens < 1:
+        raise ValueError(f"min_split_tokens must be >= 1, got {min_split_tokens}")
+    return max(1, triton.cdiv(min_split_tokens, block_n))
+
+
+def active_splits(seq_len: int, num_splits: int, block_n: int, min_tiles: int) -> int:
+    """Splits that hold tokens of a ``seq_len``-token sequence: the rule the split and merge
+    kernels apply (see the module docstring), for callers and tests that must agree."""
+    n_tiles = triton.cdiv(seq_len, block_n)
+    tiles_per_split = max(triton.cdiv(n_tiles, num_splits), min_tiles)
+    return triton.cdiv(n_tiles, tiles_per_split)
+
+
+@triton.jit
+def _split_tiles(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
+    """(tiles per split, active splits) of one sequence; the split and merge kernels both
+    call this so that they agree on which partials exist."""
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)
+    return tiles_per_split, tl.cdiv(n_tiles, tiles_per_split)
+
+
 @triton.jit
 def _load_kv_tile(
     kv_ptr,
@@ -257,9 +307,10 @@ def _mla_decode_split_kernel(
     TILE_IN_PAGE: tl.constexpr,
     PREFETCH: tl.constexpr,
     HAS_SCALE: tl.constexpr,
-    DIRECT_OUT: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,  # num_splits == 1: no partial path compiled
     FP8_QK: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
 ):
     # Grid: (head_groups * VSPLIT, splits, batch). The VSPLIT programs of one (group,
     # split) are adjacent in launch order, so the second one's KV reads hit L2.
@@ -273,7 +324,13 @@ def _mla_decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + b)
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(n_tiles, num_splits)
+    tiles_per_split, n_active = _split_tiles(seq_len, num_splits, BLOCK_N, MIN_SPLIT_TILES)
+    # Splits past the active ones hold no tokens and the merge never reads their slots, so
+    # they skip even the q load. Split 0 stays for an empty sequence: it writes the zeros.
+    # (Never taken with one split, where the return alone cost 12 registers on sm_90a.)
+    if not DIRECT_OUT:
+        if split >= tl.maximum(n_active, 1):
+            return
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
 
@@ -372,11 +429,15 @@ def _mla_decode_split_kernel(
         acc = tl.dot(p.to(tl.bfloat16), k_own, acc)
         m_i = m_new
 
-    # Empty split (short sequence): l_i == 0, write zeros and lse = -inf.
+    # Empty sequence (split 0 is its only program left): l_i == 0, so the output is zeros.
     has = l_i > 0.0
     inv_l = tl.where(has, kv_scale / tl.where(has, l_i, 1.0), 0.0)
     o = acc * inv_l[:, None]
     if DIRECT_OUT:
+        to_out: tl.constexpr = True  # the one-split build carries no partial path
+    else:
+        to_out = n_active <= 1  # the whole sequence is in this split: nothing to merge
+    if to_out:
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh
         tl.store(o_ptrs + offs_own[None, :], o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
     else:
@@ -394,6 +455,7 @@ def _mla_decode_merge_kernel(
     po_ptr,
     pl_ptr,
     out_ptr,
+    seq_lens_ptr,
     num_splits,
     num_heads,
     stride_pob,
@@ -407,32 +469,38 @@ def _mla_decode_merge_kernel(
     HEADS_BLOCK: tl.constexpr,
     D_BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the split kernel's tile and MIN_SPLIT_TILES: same split rule
+    MIN_SPLIT_TILES: tl.constexpr,
 ):
-    """out[b, h, d] = sum_s w_s * partial_s / sum_s w_s, w_s = 2^(lse_s - max lse), for
-    HEADS_BLOCK heads x D_BLOCK values per program, CHUNK splits per step."""
+    """out[b, h, d] = sum_s w_s * partial_s / sum_s w_s, w_s = 2^(lse_s - max lse), over
+    the sequence's active splits, for HEADS_BLOCK heads x D_BLOCK values per program, CHUNK
+    splits per step. Sequences with at most one active split are left alone."""
     b = tl.program_id(0)
+    _, n_active = _split_tiles(tl.load(seq_lens_ptr + b), num_splits, BLOCK_N, MIN_SPLIT_TILES)
+    if n_active <= 1:
+        return  # split 0 wrote out (zeros for an empty sequence); no partial exists
     offs_h = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
     h_ok = offs_h[:, None] < num_heads
     pl = pl_ptr + b.to(tl.int64) * stride_plb + offs_h[:, None] * stride_plh  # [HB, 1]
     offs_all = tl.arange(0, SPLITS_P2)
+    # Only the active splits' slots were written by this call; the rest may hold anything.
     lse_all = tl.load(
-        pl + offs_all[None, :], mask=h_ok & (offs_all[None, :] < num_splits), other=float("-inf")
+        pl + offs_all[None, :], mask=h_ok & (offs_all[None, :] < n_active), other=float("-inf")
     )
     m = tl.max(lse_all, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
+    m = tl.where(m == float("-inf"), 0.0, m)  # masked heads: weights 0, nothing stored
     denom = tl.sum(tl.where(lse_all > float("-inf"), tl.exp2(lse_all - m[:, None]), 0.0), axis=1)
 
     offs_d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
     po = po_ptr + b.to(tl.int64) * stride_pob + offs_h[:, None] * stride_poh + offs_d[None, :]
     offs_c = tl.arange(0, CHUNK)
     acc = tl.zeros([HEADS_BLOCK, D_BLOCK], tl.float32)
-    for c in range(0, tl.cdiv(num_splits, CHUNK)):
+    for c in range(0, tl.cdiv(n_active, CHUNK)):
         offs_s = c * CHUNK + offs_c
-        s_ok = (offs_s < num_splits)[:, None, None]
+        s_ok = (offs_s < n_active)[:, None, None]
         lse = tl.load(pl[None, :, :] + offs_s[:, None, None], mask=s_ok & h_ok[None, :, :],
                       other=float("-inf"))  # fmt: skip
         w = tl.where(lse > float("-inf"), tl.exp2(lse - m[None, :, None]), 0.0)  # [C, HB, 1]
-        # Empty splits are not read: their slots may hold stale data from another call.
         parts = tl.load(po[None, :, :] + offs_s[:, None, None] * stride_pos, mask=w > 0.0,
                         other=0.0)  # fmt: skip
         acc += tl.sum(parts.to(tl.float32) * w, axis=0)
@@ -471,16 +539,26 @@ def launch_merge(
     d_block: int,
     chunk: int,
     num_warps: int = 4,
+    *,
+    seq_lens: torch.Tensor,
+    block_n: int,
+    min_tiles: int,
 ) -> None:
     """Stage 2: merge the split partials (``po`` [B, H, splits, 512], ``pl`` [B, H, splits])
     into ``out`` [B, H, 512], ``heads_block`` x ``d_block`` values per program and ``chunk``
-    splits per step (shared by the Triton and Gluon split kernels)."""
+    splits per step (shared by the Triton and Gluon split kernels).
+
+    ``seq_lens``, ``block_n`` (tokens per KV tile) and ``min_tiles`` (``MIN_SPLIT_TILES``)
+    must be the split kernel's: from them each program finds its sequence's active splits,
+    merges only those, and leaves ``out`` alone where the split kernel wrote it (at most one
+    active split)."""
     batch, heads = out.shape[0], out.shape[1]
     grid = (batch, triton.cdiv(heads, heads_block), KV_LORA_RANK // d_block)
     _mla_decode_merge_kernel[grid](
         po,
         pl,
         out,
+        seq_lens,
         num_splits,
         heads,
         po.stride(0),
@@ -494,6 +572,8 @@ def launch_merge(
         HEADS_BLOCK=heads_block,
         D_BLOCK=d_block,
         CHUNK=chunk,
+        BLOCK_N=block_n,
+        MIN_SPLIT_TILES=min_tiles,
         num_warps=num_warps,
     )
 
@@ -573,6 +653,10 @@ def mla_decode(
     num_splits = int(num_splits)
     direct = num_splits == 1
     po, pl = split_partials(out, num_splits, workspace)
+    min_tokens = config.min_split_tokens
+    min_tiles = min_split_tiles(
+        _MIN_TOKENS_PER_SPLIT if min_tokens is None else min_tokens, config.block_n
+    )
     has_scale = kv_cache.dtype == torch.float8_e4m3fn
     scale_arg = kv_scale if has_scale else out
     if config.vsplit not in (1, 2):
@@ -613,13 +697,25 @@ def mla_decode(
         DIRECT_OUT=direct,
         FP8_QK=bool(config.fp8_qk and has_scale),
         FP8_MAX=FP8_E4M3_MAX,
+        MIN_SPLIT_TILES=min_tiles,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if not direct:
         hb, db = merge_blocks(batch, heads)
         chunk = _MERGE_CHUNK if (hb, db) == (1, _MERGE_MIN_D_BLOCK) else 1
-        launch_merge(po, pl, out, num_splits, hb, db, chunk)
+        launch_merge(
+            po,
+            pl,
+            out,
+            num_splits,
+            hb,
+            db,
+            chunk,
+            seq_lens=seq_lens,
+            block_n=config.block_n,
+            min_tiles=min_tiles,
+        )
     return out
 
 

@@ -27,8 +27,13 @@ Triton kernel (benchmarks/results/kernels_mla_analysis.md). Here the overlap is 
 
 The rows of a tile past ``seq_len`` are whatever the cache holds (possibly NaN); their
 scores are masked to -inf, and the last tile's value rows past ``seq_len`` are zeroed in
-shared memory first, because 0 * NaN would otherwise poison the p @ v product. Empty
-splits write only their lse (-inf): the merge never reads their partials.
+shared memory first, because 0 * NaN would otherwise poison the p @ v product.
+
+Splits follow mla_decode's active-split rule and output contract (its module docstring)
+with this kernel's tile (``GluonMLAConfig.block_n``) and ``GluonMLAConfig.min_split_tokens``
+(default one tile per split): a sequence with at most one active split is written to
+``out`` by split 0 (zeros when empty) and the merge skips it; only active splits of a
+longer one write partials and lse; inactive splits return at once and write nothing.
 
 Supported (:func:`gluon_mla_supported`): a CUDA sm_90 device, BF16 cache, page_size a
 multiple of 64, pages laid out back to back (the cache viewed as one
@@ -59,6 +64,7 @@ from moeserve.kernels.mla_decode import (
     _sm_count,
     launch_merge,
     merge_blocks,
+    min_split_tiles,
     mla_decode_ref,
     split_partials,
 )
@@ -97,7 +103,9 @@ SMEM_LIMIT_BYTES = 232_448
 # TMA needs 16-byte aligned global addresses and strides.
 _TMA_ALIGN_BYTES = 16
 # A split streams at least one tile: at batch 1 / 4k, one tile per program (64 splits) beat
-# two (benchmarks/results/kernels_mla_gluon.md, split variants).
+# two (benchmarks/results/kernels_mla_gluon.md, split variants). This bounds the static
+# split count; the per-sequence bound inside the kernels defaults to one tile for the same
+# reason (GluonMLAConfig.min_split_tokens).
 _MIN_TOKENS_PER_SPLIT = 64
 # Merge launch for many splits of one head (see _merge_launch).
 _MERGE_MANY_SPLITS = 32
@@ -122,6 +130,31 @@ if _GLUON_OK:
         start = tile * BLOCK_N
         page = gl.load(bt_row + start // page_size, mask=valid, other=0)
         return page * page_size + start % page_size
+
+    @gluon.jit
+    def _split_tiles(seq_len, num_splits, BLOCK_N: gl.constexpr, MIN_SPLIT_TILES: gl.constexpr):
+        """(tiles per split, active splits) of one sequence: mla_decode's ``_split_tiles``
+        rule, which the merge kernel applies to find the partials."""
+        n_tiles = gl.cdiv(seq_len, BLOCK_N)
+        tiles_per_split = gl.maximum(gl.cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)
+        return tiles_per_split, gl.cdiv(n_tiles, tiles_per_split)
+
+    @gluon.jit
+    def _output_base(
+        to_out, out_ptr, po_ptr, b, split, stride_ob, stride_oh, stride_pob, stride_poh,
+        stride_pos,
+    ):  # fmt: skip
+        """(base pointer, head stride) of this program's output rows: the sequence's rows of
+        out, or its split's partial slot (out and partials of one dtype). One store with a
+        runtime destination instead of a store per destination: the second store path
+        cost the 64-row kernel 12 bytes of spills (ptxas, sm_90a)."""
+        if to_out:
+            dst = out_ptr + b.to(gl.int64) * stride_ob
+            dst_h = stride_oh
+        else:
+            dst = po_ptr + b.to(gl.int64) * stride_pob + split * stride_pos
+            dst_h = stride_poh
+        return dst, dst_h
 
     @gluon.jit
     def _issue_tile(lat_desc, pe_desc, row, bar, lat_dst, pe_dst):
@@ -191,8 +224,9 @@ if _GLUON_OK:
         D_LAT: gl.constexpr,
         D_ROPE: gl.constexpr,
         NUM_STAGES: gl.constexpr,
-        DIRECT_OUT: gl.constexpr,
-        BF16_OUT: gl.constexpr,  # the written tensor (out or partials) is bf16
+        DIRECT_OUT: gl.constexpr,  # num_splits == 1: no partial path compiled
+        BF16_OUT: gl.constexpr,  # out and the partials (either may be written) are bf16
+        MIN_SPLIT_TILES: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         hg = gl.program_id(0)
@@ -202,7 +236,11 @@ if _GLUON_OK:
 
         seq_len = gl.load(seq_lens_ptr + b)
         n_tiles = gl.cdiv(seq_len, BLOCK_N)
-        tiles_per_split = gl.cdiv(n_tiles, num_splits)
+        tiles_per_split, n_active = _split_tiles(seq_len, num_splits, BLOCK_N, MIN_SPLIT_TILES)
+        # Inactive splits are never read by the merge: leave before staging q. Split 0 of
+        # an empty sequence stays to write its zeros.
+        if split >= gl.maximum(n_active, 1):
+            return
         tile_lo = split * tiles_per_split
         n_local = gl.maximum(gl.minimum(tile_lo + tiles_per_split, n_tiles) - tile_lo, 0)
 
@@ -290,7 +328,7 @@ if _GLUON_OK:
         for st in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(bars.index(st))
 
-        # Empty split (short sequence): l_i == 0 -> zeros and lse = -inf.
+        # Empty sequence (only its split 0 gets here): l_i == 0 -> zeros.
         l_i = gl.sum(l_2d, axis=1)
         has = l_i > 0.0
         inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
@@ -303,20 +341,28 @@ if _GLUON_OK:
             o_st = q_lat_s.load(ld_layout)
             offs_sh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ld_layout))
             offs_sd = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, ld_layout))
-        else:  # fp32 destination: keep full precision, store from the accumulator layout
+        else:  # out or the partials are not bf16: no bf16 rounding, store from the wgmma layout
             o_st = o
             offs_sh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
             offs_sd = gl.arange(0, D_LAT, layout=gl.SliceLayout(0, o_layout))
         sh_ok = offs_sh[:, None] < num_heads
         if DIRECT_OUT:
+            to_out: gl.constexpr = True  # the one-split build carries no partial path
+        else:
+            to_out = n_active <= 1  # the whole sequence is in this split: nothing to merge
+        if out_ptr.dtype == po_ptr.dtype:
+            dst, dst_h = _output_base(to_out, out_ptr, po_ptr, b, split, stride_ob, stride_oh,
+                                      stride_pob, stride_poh, stride_pos)  # fmt: skip
+            dst = dst + offs_sh[:, None] * dst_h + offs_sd[None, :]
+            gl.store(dst, o_st.to(dst.dtype.element_ty), mask=sh_ok)
+        elif to_out:  # a caller's workspace of another dtype: a store per destination
             o_ptrs = out_ptr + b.to(gl.int64) * stride_ob + offs_sh[:, None] * stride_oh
             gl.store(o_ptrs + offs_sd[None, :], o_st.to(out_ptr.dtype.element_ty), mask=sh_ok)
         else:
             po = po_ptr + b.to(gl.int64) * stride_pob + split * stride_pos
             po = po + offs_sh[:, None] * stride_poh + offs_sd[None, :]
-            # An empty split's partial is never read (the merge skips lse = -inf), so it is
-            # not written either: short contexts leave most splits empty.
-            gl.store(po, o_st.to(po_ptr.dtype.element_ty), mask=sh_ok & (n_local > 0))
+            gl.store(po, o_st.to(po_ptr.dtype.element_ty), mask=sh_ok)
+        if not to_out:
             lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
             offs_lh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=row_l)
             pl = pl_ptr + b.to(gl.int64) * stride_plb + offs_lh * stride_plh + split
@@ -354,6 +400,7 @@ if _GLUON_OK:
         D_ROPE: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         DIRECT_OUT: gl.constexpr,
+        MIN_SPLIT_TILES: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """Few heads (<= BLOCK_H): tokens and values on wgmma's M, heads on N.
@@ -370,7 +417,11 @@ if _GLUON_OK:
 
         seq_len = gl.load(seq_lens_ptr + b)
         n_tiles = gl.cdiv(seq_len, BLOCK_N)
-        tiles_per_split = gl.cdiv(n_tiles, num_splits)
+        tiles_per_split, n_active = _split_tiles(seq_len, num_splits, BLOCK_N, MIN_SPLIT_TILES)
+        # Inactive splits are never read by the merge: leave before staging q. Split 0 of
+        # an empty sequence stays to write its zeros.
+        if split >= gl.maximum(n_active, 1):
+            return
         tile_lo = split * tiles_per_split
         n_local = gl.maximum(gl.minimum(tile_lo + tiles_per_split, n_tiles) - tile_lo, 0)
 
@@ -455,12 +506,22 @@ if _GLUON_OK:
         offs_od = gl.arange(0, D_LAT, layout=gl.SliceLayout(1, o_st_layout))
         oh_ok = offs_oh[None, :] < num_heads
         if DIRECT_OUT:
+            to_out: gl.constexpr = True
+        else:
+            to_out = n_active <= 1
+        if out_ptr.dtype == po_ptr.dtype:
+            dst, dst_h = _output_base(to_out, out_ptr, po_ptr, b, split, stride_ob, stride_oh,
+                                      stride_pob, stride_poh, stride_pos)  # fmt: skip
+            dst = dst + offs_oh[None, :] * dst_h + offs_od[:, None]
+            gl.store(dst, o.to(dst.dtype.element_ty), mask=oh_ok)
+        elif to_out:  # a caller's workspace of another dtype: a store per destination
             o_ptrs = out_ptr + b.to(gl.int64) * stride_ob + offs_oh[None, :] * stride_oh
             gl.store(o_ptrs + offs_od[:, None], o.to(out_ptr.dtype.element_ty), mask=oh_ok)
         else:
             po = po_ptr + b.to(gl.int64) * stride_pob + split * stride_pos
             po = po + offs_oh[None, :] * stride_poh + offs_od[:, None]
-            gl.store(po, o.to(po_ptr.dtype.element_ty), mask=oh_ok & (n_local > 0))
+            gl.store(po, o.to(po_ptr.dtype.element_ty), mask=oh_ok)
+        if not to_out:
             lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
             offs_lh = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=head_l)
             pl = pl_ptr + b.to(gl.int64) * stride_plb + offs_lh * stride_plh + split
@@ -492,6 +553,14 @@ class GluonMLAConfig:
     # matters more than the extra reads (H200: 1.4x faster at batch 1 / 4k / 64 heads,
     # 1.2x slower at batch 8 / 4k and 2x at batch 8 / 32k). 0 disables it.
     small_max_tiles: int = 8
+    # Fewest tokens (rounded up to whole tiles) a split of one sequence streams; None: one
+    # tile, which measured best at batch 1 / 4k (see _MIN_TOKENS_PER_SPLIT).
+    min_split_tokens: int | None = None
+
+    def min_tiles(self) -> int:
+        """``MIN_SPLIT_TILES`` of the split kernels and the merge."""
+        tokens = self.block_n if self.min_split_tokens is None else self.min_split_tokens
+        return min_split_tiles(tokens, self.block_n)
 
     def smem_bytes(self) -> int:
         tile = self.block_n * LATENT_DIM * 2
@@ -677,6 +746,7 @@ def mla_decode_gluon(
         pl.stride(0),
         pl.stride(1),
     )
+    min_tiles = config.min_tiles()
     common = dict(
         BLOCK_H=block_h,
         BLOCK_N=config.block_n,
@@ -684,15 +754,30 @@ def mla_decode_gluon(
         D_ROPE=ROPE_DIM,
         NUM_STAGES=config.num_stages,
         DIRECT_OUT=direct,
+        MIN_SPLIT_TILES=min_tiles,
     )
     if small:
         _mla_decode_gluon_small_kernel[grid](*args, **common, num_warps=SMALL_NUM_WARPS)
     else:
-        bf16_out = (out if direct else po).dtype == torch.bfloat16
+        # Which of out / partials a program writes depends on seq_lens, so the 16-byte
+        # (bf16-rounding) store path is compiled only where both are bf16.
+        bf16_out = out.dtype == torch.bfloat16 and po.dtype == torch.bfloat16
         _mla_decode_gluon_kernel[grid](*args, **common, BF16_OUT=bf16_out, num_warps=NUM_WARPS)
     if not direct:
         hb, db, chunk, warps = _merge_launch(batch, heads, num_splits, config)
-        launch_merge(po, pl, out, num_splits, hb, db, chunk, warps)
+        launch_merge(
+            po,
+            pl,
+            out,
+            num_splits,
+            hb,
+            db,
+            chunk,
+            warps,
+            seq_lens=seq_lens,
+            block_n=config.block_n,
+            min_tiles=min_tiles,
+        )
     return out
 
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from moeserve.kernels import mla_decode as md
-from tests.kernels.mla_cases import make_case
+from tests.kernels.mla_cases import check_split_slots, make_case, poison_workspace
 
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not _HOPPER, reason="needs an sm_90 (Hopper) GPU")
@@ -146,6 +146,53 @@ def test_graph_replay_reads_new_seq_lens_and_block_tables():
 
 
 @needs_hopper
+@pytest.mark.parametrize("few_heads", [True, False], ids=["few-head", "64-row"])
+@pytest.mark.parametrize(
+    ("min_split_tokens", "seq_lens", "active"),
+    [
+        # one 64-token tile per split (the default): empty, one full tile, one token, one
+        # token past a tile, 10 tiles over 5 splits, 79 tiles over all 8
+        (None, [0, 64, 1, 65, 640, 5000], [0, 1, 1, 2, 5, 8]),
+        # four tiles: 256 tokens still one split, 257 two
+        (256, [0, 256, 257, 64, 640, 5000], [0, 1, 2, 1, 3, 8]),
+    ],
+)
+@pytest.mark.parametrize(
+    ("out_dtype", "ws_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+     (torch.bfloat16, torch.float32)],
+    ids=["bf16", "fp32-out", "fp32-partials"],
+)  # fmt: skip
+def test_one_split_sequences_write_out_and_skip_the_merge(
+    few_heads, min_split_tokens, seq_lens, active, out_dtype, ws_dtype
+):
+    # NaN in out (every element must be written) and in the caller's workspace (a slot the
+    # merge reads but no split wrote poisons the output; a slot written that should not be
+    # stays visible). Mixed out / partial dtypes take the kernels' two-store epilogue.
+    heads, splits = (16, 8) if few_heads else (64, 8)
+    config = mg.GluonMLAConfig(min_split_tokens=min_split_tokens)
+    if not few_heads:
+        config = mg.GluonMLAConfig(
+            small_heads_max=0, small_max_tiles=0, min_split_tokens=min_split_tokens
+        )
+    tiles = config.min_tiles()
+    assert [md.active_splits(n, splits, config.block_n, tiles) for n in seq_lens] == active
+    q, cache, bt, seq = _case(seq_lens, heads, seed=51)
+    ws = md.MLADecodeWorkspace.allocate(len(seq_lens), heads, splits, DEV, ws_dtype)
+    poison_workspace(ws)
+    out = torch.full((len(seq_lens), heads, md.KV_LORA_RANK), float("nan"), device=DEV)
+    out = out.to(out_dtype)
+    mg.mla_decode_gluon(
+        q, cache, bt, seq, SM_SCALE, out, num_splits=splits, workspace=ws, config=config
+    )
+    _check(out, _reference(q, cache, bt, seq))
+    for b, (n, a) in enumerate(zip(seq_lens, active, strict=True)):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+        check_split_slots(ws, b, heads, a)
+
+
+@needs_hopper
 def test_unsupported_inputs_keep_triton():
     q, cache, _, _ = _case([100], 16, page_size=16)
     assert not mg.gluon_mla_supported(q, cache)  # page 16 < the 64-token tile
@@ -166,7 +213,8 @@ def build(small, direct):
     fn = mg._mla_decode_gluon_small_kernel if small else mg._mla_decode_gluon_kernel
     lat, pe = mg._descriptors(torch.empty(4, 64, 576, dtype=torch.bfloat16), 64)
     const = dict(BLOCK_H=16 if small else 64, BLOCK_N=64, D_LAT=512, D_ROPE=64, NUM_STAGES=2,
-                 DIRECT_OUT=direct, num_warps=mg.SMALL_NUM_WARPS if small else mg.NUM_WARPS)
+                 DIRECT_OUT=direct, MIN_SPLIT_TILES=1,
+                 num_warps=mg.SMALL_NUM_WARPS if small else mg.NUM_WARPS)
     if not small:
         const["BF16_OUT"] = True
     names = fn.arg_names

@@ -3,7 +3,12 @@ on randomly permuted pages, garbage page ids past each sequence's pages."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # not imported at run time: the kernel tests set up triton first
+    from moeserve.kernels.mla_decode import MLADecodeWorkspace
 
 LATENT = 576  # kv_lora_rank 512 + rope 64
 FP8 = torch.float8_e4m3fn
@@ -43,3 +48,24 @@ def make_case(
     q = torch.randn(batch, heads, LATENT, generator=gen).to(torch.bfloat16)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     return q, cache, block_tables, seq, kv_scale
+
+
+def poison_workspace(workspace: MLADecodeWorkspace) -> MLADecodeWorkspace:
+    """Fill an MLADecodeWorkspace's partials and lse with NaN: a slot the kernels should not
+    read then poisons the output, and one they should not write stays NaN."""
+    workspace.partial_out.fill_(float("nan"))
+    workspace.partial_lse.fill_(float("nan"))
+    return workspace
+
+
+def check_split_slots(workspace: MLADecodeWorkspace, seq: int, heads: int, active: int) -> None:
+    """Sequence ``seq``'s workspace slots after one call on a poisoned workspace: with more
+    than one active split, exactly the first ``active`` splits' partials and lse are written
+    (finite) for every head; with at most one, none is (split 0 writes ``out`` itself)."""
+    written = active if active > 1 else 0
+    lse = workspace.partial_lse[seq, :heads].float().cpu()
+    parts = workspace.partial_out[seq, :heads].float().cpu()
+    assert torch.isfinite(lse[:, :written]).all(), (seq, active)
+    assert torch.isfinite(parts[:, :written]).all(), (seq, active)
+    assert torch.isnan(lse[:, written:]).all(), (seq, active, "an inactive split wrote its lse")
+    assert torch.isnan(parts[:, written:]).all(), (seq, active, "an inactive split wrote")

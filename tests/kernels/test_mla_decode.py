@@ -7,6 +7,7 @@ split-KV merge. Unused cache rows/pages are NaN so any stray read poisons the ou
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
@@ -19,7 +20,11 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import moeserve.kernels.mla_decode as mla_decode_mod  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
-from tests.kernels.mla_cases import make_case  # noqa: E402
+from tests.kernels.mla_cases import (  # noqa: E402
+    check_split_slots,
+    make_case,
+    poison_workspace,
+)
 
 install_interpreter_shims()
 if not isinstance(mla_decode_mod._mla_decode_split_kernel, InterpretedFunction):
@@ -55,7 +60,12 @@ def _run_both(q, cache, bt, seq, kv_scale, num_splits, config=None):
     return out.float(), ref
 
 
-SMALL = mla_decode_mod.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+# min_split_tokens of one 16-token tile keeps the tests' short sequences spread over
+# several splits, so the partials and the merge are exercised (the default 128 tokens would
+# put most of them in one split).
+SMALL = mla_decode_mod.MLADecodeConfig(
+    block_h=16, block_n=16, num_warps=4, num_stages=1, min_split_tokens=16
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
@@ -77,7 +87,7 @@ def test_decode_matches_reference(dtype, page_size, seq_lens, num_splits):
 
 
 def test_more_splits_than_tiles_and_empty_sequence():
-    # seq 0 -> zeros; 8 splits over 2 tiles leaves empty splits whose lse is -inf.
+    # seq 0 -> zeros; 8 splits over 2 tiles leaves 6 splits without tokens.
     q, cache, bt, seq, kv_scale = make_case([0, 20], 4, 16, torch.bfloat16, seed=7)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, 8, SMALL)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
@@ -128,7 +138,7 @@ def test_rejects_missing_fp8_scale():
 def test_experimental_fp8_qk_variant_is_close():
     # q quantised per head to e4m3 for the FP8 tensor-core q @ k^T: looser tolerance.
     q, cache, bt, seq, kv_scale = make_case([70, 33], 4, 16, FP8, seed=21)
-    cfg = mla_decode_mod.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, fp8_qk=True)
+    cfg = dataclasses.replace(SMALL, num_stages=2, fp8_qk=True)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, 2, cfg)
     assert torch.isfinite(out).all()
     err = (out - ref).abs()
@@ -139,7 +149,7 @@ def test_experimental_fp8_qk_variant_is_close():
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_value_split_variant(dtype, num_splits):
     # vsplit=2: two programs per tile, each accumulating 256 of the 512 value columns.
-    cfg = mla_decode_mod.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, vsplit=2)
+    cfg = dataclasses.replace(SMALL, num_stages=2, vsplit=2)
     q, cache, bt, seq, kv_scale = make_case([61, 8], 20, 16, dtype, seed=13)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, num_splits, cfg)
     assert torch.isfinite(out).all()
@@ -147,7 +157,7 @@ def test_value_split_variant(dtype, num_splits):
 
 
 def test_value_split_with_fp8_qk():
-    cfg = mla_decode_mod.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, fp8_qk=True, vsplit=2)
+    cfg = dataclasses.replace(SMALL, num_stages=2, fp8_qk=True, vsplit=2)
     q, cache, bt, seq, kv_scale = make_case([70, 33], 4, 16, FP8, seed=21)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, 2, cfg)
     err = (out - ref).abs()
@@ -159,9 +169,7 @@ def test_value_split_with_fp8_qk():
 def test_register_prefetch_variant(vsplit, page_size, dtype):
     # prefetch=True loads tile t+1 while tile t is computed; the last prefetch is fully
     # masked. Splits with 0, 1 and several tiles all occur (seq 50 -> 4 tiles, 3 splits).
-    cfg = mla_decode_mod.MLADecodeConfig(
-        block_h=16, block_n=16, num_warps=4, num_stages=1, vsplit=vsplit, prefetch=True
-    )
+    cfg = dataclasses.replace(SMALL, vsplit=vsplit, prefetch=True)
     q, cache, bt, seq, kv_scale = make_case([50, 1, 16], 4, page_size, dtype, seed=17)
     out, ref = _run_both(q, cache, bt, seq, kv_scale, 3, cfg)
     assert torch.isfinite(out).all()
@@ -218,3 +226,91 @@ def test_merge_of_head_blocks_with_a_ragged_last_block():
     mla_decode_mod.mla_decode(q, cache, bt, seq, 0.1352, out, None, 3, ws, SMALL)
     ref = mla_decode_mod.mla_decode_ref(q, cache, bt, seq, 0.1352, torch.empty(26, 21, 512))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _run_on_poisoned_workspace(q, cache, bt, seq, kv_scale, num_splits, config, ws=None):
+    """mla_decode with a NaN-filled ``out`` (every element must be written) and a caller's
+    NaN-filled workspace (no inactive slot may be read), against the fp32 reference."""
+    batch, heads = q.shape[0], q.shape[1]
+    if ws is None:
+        ws = poison_workspace(
+            mla_decode_mod.MLADecodeWorkspace.allocate(batch, heads, num_splits, "cpu")
+        )
+    out = torch.full((batch, heads, 512), float("nan"), dtype=torch.bfloat16)
+    mla_decode_mod.mla_decode(q, cache, bt, seq, 0.1352, out, kv_scale, num_splits, ws, config)
+    ref = torch.empty(batch, heads, 512)
+    mla_decode_mod.mla_decode_ref(q, cache, bt, seq, 0.1352, ref, kv_scale)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for b, n in enumerate(seq.tolist()):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+    return ws
+
+
+_ONE_VARIANT = {
+    "bf16": (torch.bfloat16, {}),
+    "fp8-vsplit2-prefetch": (FP8, {"vsplit": 2, "prefetch": True}),
+}
+
+
+@pytest.mark.parametrize("variant", list(_ONE_VARIANT))
+@pytest.mark.parametrize(
+    ("min_split_tokens", "seq_lens", "active"),
+    [
+        # default 128 tokens = 8 tiles of 16: empty, one split, several (38 tiles -> 10
+        # per split), one split exactly full, one token past it, four full splits
+        (None, [0, 100, 600, 128, 129, 512], [0, 1, 4, 1, 2, 4]),
+        # 32 tokens = 2 tiles: the boundaries move accordingly
+        (32, [0, 20, 600, 32, 33, 100], [0, 1, 4, 1, 2, 4]),
+    ],
+)
+def test_sequences_in_one_split_write_out_and_skip_the_merge(
+    variant, min_split_tokens, seq_lens, active
+):
+    dtype, knobs = _ONE_VARIANT[variant]
+    cfg = dataclasses.replace(SMALL, min_split_tokens=min_split_tokens, **knobs)
+    tokens = 128 if min_split_tokens is None else min_split_tokens
+    min_tiles = mla_decode_mod.min_split_tiles(tokens, cfg.block_n)
+    assert [mla_decode_mod.active_splits(n, 4, cfg.block_n, min_tiles) for n in seq_lens] == active
+    q, cache, bt, seq, kv_scale = make_case(seq_lens, 4, 16, dtype, seed=31)
+    ws = _run_on_poisoned_workspace(q, cache, bt, seq, kv_scale, 4, cfg)
+    for b, a in enumerate(active):
+        check_split_slots(ws, b, 4, a)
+
+
+def test_reused_workspace_stale_slots_are_not_merged():
+    # A sequence that was spread over 4 splits leaves finite partials behind; the next call
+    # puts one in a single split and another in 2 of the 4: reading a stale slot changes
+    # the output (finite, so only the comparison with the reference can tell).
+    cfg = dataclasses.replace(SMALL, min_split_tokens=32)
+    q, cache, bt, seq, kv_scale = make_case([600, 100, 0, 33], 4, 16, torch.bfloat16, seed=41)
+    ws = _run_on_poisoned_workspace(q, cache, bt, seq, kv_scale, 4, cfg)
+    q2, cache2, bt2, seq2, _ = make_case([20, 33, 600, 0], 4, 16, torch.bfloat16, seed=42)
+    _run_on_poisoned_workspace(q2, cache2, bt2, seq2, None, 4, cfg, ws)
+
+
+def test_default_min_split_at_batch_one_short_contexts():
+    # The measured case: 64-token tiles, 8 splits of a 1024-token capacity. 128 tokens =
+    # 2 tiles: up to 128 tokens one split, 129 -> 2 splits, 1000 (16 tiles) -> all 8.
+    q, cache, bt, seq, kv_scale = make_case(
+        [0, 64, 124, 128, 129, 1000], 16, 64, torch.bfloat16, seed=5
+    )
+    assert bt.shape[1] * 64 >= 1024
+    cfg = mla_decode_mod.default_config(16, 1, 1024)
+    assert cfg.block_n == 64 and cfg.min_split_tokens is None
+    ws = _run_on_poisoned_workspace(q, cache, bt, seq, kv_scale, 8, cfg)
+    for b, a in enumerate([0, 1, 1, 1, 2, 8]):
+        check_split_slots(ws, b, 16, a)
+
+
+def test_min_split_tokens_rounds_up_to_whole_tiles():
+    assert mla_decode_mod.min_split_tiles(128, 64) == 2
+    assert mla_decode_mod.min_split_tiles(100, 64) == 2
+    assert mla_decode_mod.min_split_tiles(1, 64) == 1
+    assert mla_decode_mod.min_split_tiles(128, 16) == 8
+    q, cache, bt, seq, kv_scale = make_case([8], 4, 16, torch.bfloat16, seed=1)
+    out = torch.empty(1, 4, 512, dtype=torch.bfloat16)
+    bad = dataclasses.replace(SMALL, min_split_tokens=0)
+    with pytest.raises(ValueError, match="min_split_tokens"):
+        mla_decode_mod.mla_decode(q, cache, bt, seq, 0.1, out, num_splits=2, config=bad)

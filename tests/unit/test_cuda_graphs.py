@@ -207,7 +207,9 @@ def test_mla_scratch_views_match_the_kernel_default_and_padding_reads_nothing():
     _, ws, splits = scratch.workspace(3, ctx)
     assert splits > 1  # the partials and the merge are exercised
     out = torch.full((3, heads, 512), float("nan"), dtype=torch.bfloat16)
-    small = md.MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    small = md.MLADecodeConfig(
+        block_h=16, block_n=16, num_warps=4, num_stages=1, min_split_tokens=16
+    )
     md.mla_decode(q, cache, bt, seq, 0.13, out, num_splits=splits, workspace=ws, config=small)
     ref = torch.empty(3, heads, 512)
     md.mla_decode_ref(q, cache, bt, seq, 0.13, ref)
