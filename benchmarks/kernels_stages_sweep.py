@@ -538,8 +538,96 @@ def ds_one_token() -> None:
         _fp8_dense_shape(name, n, k, (1,), [("gemv", None)] + [("gemv", c) for c in dense])
 
 
+def ds_moe_down() -> None:
+    """Round 2 of ds_one_token's MoE part: the shipped one-token config (32-row gate_up tiles,
+    LATE_SUM) against down-launch variants and wider gate_up tiles."""
+    e_, h, i, slots = 257, 7168, 2048, 9
+    bank = rand_fp8_experts(e_, h, i)
+    per_expert = 3 * i * h + 4 * 3 * (i // 128) * (h // 128)
+    routes, tws, x, out, nbytes = _moe_inputs(e_, 1, slots, h, per_expert, 16)
+    counters = torch.zeros(h, dtype=torch.int32, device="cuda")
+    cands = [None] + [
+        dict(c)
+        for c in (
+            dict(DOWN_BLOCK_N=16, DOWN_WARPS=1),
+            dict(DOWN_BLOCK_N=16, DOWN_WARPS=2),
+            dict(DOWN_BLOCK_N=64, DOWN_WARPS=2),
+            dict(DOWN_BLOCK_N=64, DOWN_WARPS=4),
+            dict(DOWN_STAGES=3),
+            dict(DOWN_STAGES=6),
+            dict(DOWN_BLOCK_N=32, DOWN_WARPS=1),
+            dict(DOWN_BLOCK_K=64, DOWN_STAGES=6),
+            dict(BLOCK_N=64, num_warps=2),
+            dict(BLOCK_N=64, num_warps=4),
+            dict(BLOCK_N=32, num_warps=1),
+            dict(STAGES=3),
+            dict(STAGES=5),
+        )
+    ]
+
+    def run(r, tw, cfg, x=x, out=out, bank=bank):
+        return fused_moe_fp8(
+            x, r, tw, *bank, out=out, kernel="gemv", config=cfg, combine_counters=counters
+        ).clone()
+
+    _moe_sweep("ds_moe9_down", run, cands, 1, routes, tws, nbytes)
+    del bank, run
+    torch.cuda.empty_cache()
+
+
+def ds_absorb() -> None:
+    """The absorbed MLA products at one row, 128 heads, block-FP8 kv_b_proj (DeepSeek-V3's
+    decode): W_UK with whole-head tiles (BLOCK_D 64 / 128: every load of a program in flight
+    at once) and W_UV with its products summed once per program (LATE_SUM)."""
+    from kernels_mla_absorb import rand_kv_b, weight_bytes
+
+    from moeserve.kernels import mla_absorb as ma
+
+    heads, nope, lat = 128, 128, 512
+    weights = rand_kv_b(heads, "fp8", n_copies(weight_bytes(heads, "fp8", "uk") * 2))
+    uk = [None] + [
+        dict(BLOCK_L=bl, BLOCK_D=bd, num_warps=w, num_stages=1, STAGES=0)
+        for bl, bd, w in (
+            (64, 64, 4),
+            (128, 64, 4),
+            (64, 128, 4),
+            (32, 128, 4),
+            (64, 128, 8),
+            (128, 128, 8),
+            (32, 64, 2),
+            (64, 64, 2),
+            (32, 128, 2),
+        )
+    ]
+    uv = [None] + [
+        dict(BLOCK_N=bn, BLOCK_K=128, num_warps=w, num_stages=1, STAGES=st, LATE_SUM=ls)
+        for bn, w, st, ls in (
+            (16, 2, 3, 1),
+            (8, 1, 3, 1),
+            (32, 2, 3, 1),
+            (16, 4, 0, 1),
+            (16, 2, 0, 1),
+            (32, 4, 0, 1),
+            (8, 2, 0, 1),
+        )
+    ]
+    for mode, cands, width in (("uk", uk, nope), ("uv", uv, lat)):
+        x = torch.randn(1, heads, width, device="cuda").bfloat16()
+        out = torch.empty(1, heads, lat if mode == "uk" else 128, device="cuda").bfloat16()
+        ref = ma.absorb_ref(x, *weights[0], mode, nope)
+        nbytes = weight_bytes(heads, "fp8", mode)
+        for cfg in cands:
+
+            def call(w, cfg=cfg, x=x, out=out, mode=mode):
+                return ma.absorb_gemv(x, *w, out, mode, nope, cfg)
+
+            _time_product("ds_absorb", call, weights, ref, nbytes, shape=mode, M=1, cfg=cfg)
+
+
 PARTS = {
+    "ds_absorb": ds_absorb,
     "ds_one_token": ds_one_token,
+    "ds_moe_down": ds_moe_down,
     "moe_rows_f16": moe_rows_f16,
     "f16": f16,
     "dense": dense,

@@ -225,6 +225,7 @@ def _absorb_uv_kernel(
     SCALED: tl.constexpr,
     STAGES: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
+    LATE_SUM: tl.constexpr = 0,
 ):
     """out[t, h, j] = sum_l x[t, h, l] W[h*HEAD_ROWS + NOPE + j, l]; grid (cdiv(V, BLOCK_N),
     H, cdiv(T, MP)); BLOCK_N and BLOCK_K divide SCALE_BLOCK."""
@@ -239,7 +240,7 @@ def _absorb_uv_kernel(
     x_rows, oks = dense_x_rows(x_ptr + h.to(tl.int64) * stride_xh, row0, stride_xt, T)
     accs = fp8_gemv_rows(
         x_rows, oks, rows, n_ok[:, None], s_row, 0, L,
-        BLOCK_N, BLOCK_K, MP, SCALED, K_ITERS, STAGES, SCALE_BLOCK,
+        BLOCK_N, BLOCK_K, MP, SCALED, K_ITERS, STAGES, SCALE_BLOCK, LATE_SUM,
     )  # fmt: skip
     _store_rows(accs, out_ptr + h.to(tl.int64) * stride_oh, row0, stride_ot, offs_n, n_ok, T, MP)
 
@@ -360,6 +361,7 @@ def absorb_gemv(
         x, wb, s, out, t, lat, kb, *common,
         HEAD_ROWS=head_rows, NOPE=nope, V=v_dim, MP=mp, BLOCK_N=bn, BLOCK_K=bk,
         K_ITERS=triton.cdiv(lat, bk), SCALED=scaled, STAGES=cfg.get("STAGES", 0),
-        SCALE_BLOCK=FP8_BLOCK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SCALE_BLOCK=FP8_BLOCK, LATE_SUM=cfg.get("LATE_SUM", 0) if mp == 1 else 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out

@@ -61,6 +61,15 @@ def test_tile_configs_and_stages_are_honoured():
     ma.absorb_gemv(x, w, s, out, "uk", NOPE, config=cfg)
     want = torch.einsum("thd,hdl->thl", x.float(), dense[:, :NOPE])
     torch.testing.assert_close(out.float(), want, rtol=1.6e-2, atol=1e-2 * want.abs().max().item())
+    # W_UK's whole head in one tile; W_UV on one row with its products summed once
+    ma.absorb_gemv(x, w, s, out, "uk", NOPE, config=dict(cfg, BLOCK_D=128, STAGES=0))
+    torch.testing.assert_close(out.float(), want, rtol=1.6e-2, atol=1e-2 * want.abs().max().item())
+    o_lat = torch.randn(1, heads, LAT).to(torch.bfloat16)
+    o = torch.empty(1, heads, V, dtype=torch.bfloat16)
+    cfg = dict(BLOCK_N=16, BLOCK_K=64, num_warps=2, num_stages=1, STAGES=2, LATE_SUM=1)
+    ma.absorb_gemv(o_lat, w, s, o, "uv", NOPE, config=cfg)
+    want = torch.einsum("thl,hjl->thj", o_lat.float(), dense[:, NOPE:])
+    torch.testing.assert_close(o.float(), want, rtol=1.6e-2, atol=1e-2 * want.abs().max().item())
 
 
 def test_bad_weights_are_refused():
