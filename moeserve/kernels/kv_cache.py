@@ -294,6 +294,15 @@ class CacheWrite:
         )
         return args, constexprs
 
+    def launch(self) -> None:
+        """Run the write in a launch of its own."""
+        if self.c.shape[0] == 0:
+            return
+        args, constexprs = self.kernel_args()
+        block_h = min(triton.next_power_of_2(self.heads), _ROPE_HEADS_PER_PROGRAM)
+        grid = (self.c.shape[0], triton.cdiv(self.heads, block_h))
+        _write_mla_cache_kernel[grid](*args, **constexprs, BLOCK_H=block_h, num_warps=2)
+
 
 def write_mla_cache(
     c: torch.Tensor,
@@ -305,13 +314,7 @@ def write_mla_cache(
 ) -> None:
     """Store row ``[c[t] | k_pe[t]]`` at ``slot_mapping[t]`` for every t with a slot >= 0;
     with ``rope``, k_pe is rotated before it is stored and q_pe rotated too (one launch)."""
-    write = CacheWrite(c, k_pe, kv_cache, slot_mapping, kv_scale, rope)
-    if c.shape[0] == 0:
-        return
-    args, constexprs = write.kernel_args()
-    block_h = min(triton.next_power_of_2(write.heads), _ROPE_HEADS_PER_PROGRAM)
-    grid = (c.shape[0], triton.cdiv(write.heads, block_h))
-    _write_mla_cache_kernel[grid](*args, **constexprs, BLOCK_H=block_h, num_warps=2)
+    CacheWrite(c, k_pe, kv_cache, slot_mapping, kv_scale, rope).launch()
 
 
 def rope_interleaved_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -295,8 +295,6 @@ def _rope_write_args(write: CacheWrite | None, x: torch.Tensor) -> dict:
         args = (x,) * 10 + (0,) * 11
         constexprs = dict(D_LAT=1, D_ROPE=1, QUANT=False, FP8_MAX=1.0, ROPE=False, HAS_Q=False)
     else:
-        if write.c.shape[0] != x.shape[0] or (write.rope is not None and write.heads != x.shape[1]):
-            raise ValueError("the cache write must cover the product's tokens and heads")
         args, constexprs = write.kernel_args()
     named = dict(zip(_ROPE_WRITE_PARAMS, args, strict=True))
     return {**named, **constexprs, "ROPE_WRITE": write is not None}
@@ -316,7 +314,8 @@ def absorb_gemv(
     [T, H, L] ("uv"), out [T, H, L] or [T, H, v], both with a unit last stride (other
     strides free: q_nope and q_lat are column views); (w, scale) checked once by the caller
     with `check_absorb_weight`. `cache_write` ("uk" only): the same T tokens' rope + cache
-    write (kv_cache.write_mla_cache), done by this launch; its query must have H heads."""
+    write (kv_cache.write_mla_cache), done by this launch at one row (a launch of its own
+    before it at more); its query must have H heads."""
     t, heads = x.shape[0], x.shape[1]
     if x.stride(-1) != 1 or out.stride(-1) != 1 or out.shape[:2] != x.shape[:2]:
         raise ValueError("x and out must be [T, H, *] with a unit last stride")
@@ -337,6 +336,17 @@ def absorb_gemv(
         bl, bd = cfg["BLOCK_L"], cfg["BLOCK_D"]
         if FP8_BLOCK % bl or FP8_BLOCK % bd:
             raise ValueError(f"BLOCK_L={bl} and BLOCK_D={bd} must divide {FP8_BLOCK}")
+        if cache_write is not None and (
+            cache_write.c.shape[0] != t
+            or (cache_write.rope is not None and cache_write.heads != heads)
+        ):
+            raise ValueError("the cache write must cover the product's tokens and heads")
+        if cache_write is not None and mp > 1:
+            # Only one-row programs carry the write: with 4 rows per program the H200 build
+            # gave wrong products (tests/gpu/test_gpu_mla_absorb.py, session 20; correct under
+            # the interpreter), and the tables serve one row only anyway.
+            cache_write.launch()
+            cache_write = None
         rope_write = _rope_write_args(cache_write, x)
         grid = (triton.cdiv(lat, bl), heads, triton.cdiv(t, mp))
         _absorb_uk_kernel[grid](
