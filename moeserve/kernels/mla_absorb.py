@@ -314,8 +314,7 @@ def absorb_gemv(
     [T, H, L] ("uv"), out [T, H, L] or [T, H, v], both with a unit last stride (other
     strides free: q_nope and q_lat are column views); (w, scale) checked once by the caller
     with `check_absorb_weight`. `cache_write` ("uk" only): the same T tokens' rope + cache
-    write (kv_cache.write_mla_cache), done by this launch at one row (a launch of its own
-    before it at more); its query must have H heads."""
+    write (kv_cache.write_mla_cache), done by this launch; its query must have H heads."""
     t, heads = x.shape[0], x.shape[1]
     if x.stride(-1) != 1 or out.stride(-1) != 1 or out.shape[:2] != x.shape[:2]:
         raise ValueError("x and out must be [T, H, *] with a unit last stride")
@@ -341,12 +340,6 @@ def absorb_gemv(
             or (cache_write.rope is not None and cache_write.heads != heads)
         ):
             raise ValueError("the cache write must cover the product's tokens and heads")
-        if cache_write is not None and mp > 1:
-            # Only one-row programs carry the write: with 4 rows per program the H200 build
-            # gave wrong products (tests/gpu/test_gpu_mla_absorb.py, session 20; correct under
-            # the interpreter), and the tables serve one row only anyway.
-            cache_write.launch()
-            cache_write = None
         rope_write = _rope_write_args(cache_write, x)
         grid = (triton.cdiv(lat, bl), heads, triton.cdiv(t, mp))
         _absorb_uk_kernel[grid](

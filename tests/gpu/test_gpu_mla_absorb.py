@@ -104,10 +104,10 @@ def test_uk_launch_carries_the_rope_and_cache_write(heads, cache_dtype):
         assert torch.all((got_q - want_q).abs() <= want_q.abs() / 128 + 1e-6)
         got, want = cache.float(), ref_cache.float()
         assert torch.equal(got.isnan(), want.isnan())
-        g, w = got.nan_to_num(), want.nan_to_num()
+        got, want = got.nan_to_num(), want.nan_to_num()
         step = 128 if cache_dtype == torch.bfloat16 else 8
-        assert torch.all((g - w).abs() <= w.abs() / step + 1e-3)
-        assert (g == w).float().mean() > 0.95
+        assert torch.all((got - want).abs() <= want.abs() / step + 1e-3)
+        assert (got == want).float().mean() > 0.95
         _close(
             q_abs[..., :LAT], torch.einsum("thd,hdl->thl", q[..., :NOPE].float(), dense[:, :NOPE])
         )
