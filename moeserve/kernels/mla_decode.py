@@ -31,7 +31,7 @@ Active splits (decided per sequence inside both kernels, from ``seq_lens``): a s
 ``n_tiles = cdiv(seq_len, BLOCK_N)`` tiles gives each split ``tiles_per_split =
 max(cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)`` tiles, so ``active = cdiv(n_tiles,
 tiles_per_split)`` splits hold tokens (0 for an empty sequence). ``MIN_SPLIT_TILES`` is
-``MLADecodeConfig.min_split_tokens`` (default ``_MIN_TOKENS_PER_SPLIT``) in whole tiles:
+``MLADecodeConfig.min_split_tokens`` (default: one tile) in whole tiles:
 the static ``num_splits`` is sized for the block-table capacity, and a short sequence
 would otherwise spread a few tiles over many splits, each paying a partial write and the
 merge a read. Who writes what, per sequence:
@@ -76,8 +76,10 @@ FP8_E4M3_MAX = 448.0
 # SMs of an H100/H200, used when the tensors are not on a GPU (interpreter tests).
 _DEFAULT_SM_COUNT = 132
 # Each split should still stream enough KV to amortise its partial write and merge: the
-# split heuristic's bound on the static split count, and the default of
-# MLADecodeConfig.min_split_tokens, the per-sequence bound applied inside the kernels.
+# split heuristic's bound on the static split count. Inside the kernels a sequence's splits
+# get one tile or more (MLADecodeConfig.min_split_tokens): at batch 1-8 a 64-token tile
+# costs a program ~3 us in series, so one tile per split beat 128 / 256 / 512 tokens at
+# every point measured (benchmarks/results/mla_split_rule.md).
 _MIN_TOKENS_PER_SPLIT = 128
 # The merge grid is (batch, head blocks, value blocks). Its programs are tiny, and past a
 # few hundred of them the launch itself costs ~5 ns per program (H200: 4096 programs took
@@ -119,7 +121,7 @@ class MLADecodeConfig:
     prefetch: bool = False
     # Fewest tokens (rounded up to whole tiles) a split of one sequence streams, so short
     # sequences use fewer splits than the capacity-sized grid and, in one split, skip the
-    # merge. None: _MIN_TOKENS_PER_SPLIT.
+    # merge. None: one tile (block_n).
     min_split_tokens: int | None = None
 
 
@@ -655,7 +657,7 @@ def mla_decode(
     po, pl = split_partials(out, num_splits, workspace)
     min_tokens = config.min_split_tokens
     min_tiles = min_split_tiles(
-        _MIN_TOKENS_PER_SPLIT if min_tokens is None else min_tokens, config.block_n
+        config.block_n if min_tokens is None else min_tokens, config.block_n
     )
     has_scale = kv_cache.dtype == torch.float8_e4m3fn
     scale_arg = kv_scale if has_scale else out

@@ -258,9 +258,12 @@ _ONE_VARIANT = {
 @pytest.mark.parametrize(
     ("min_split_tokens", "seq_lens", "active"),
     [
-        # default 128 tokens = 8 tiles of 16: empty, one split, several (38 tiles -> 10
-        # per split), one split exactly full, one token past it, four full splits
-        (None, [0, 100, 600, 128, 129, 512], [0, 1, 4, 1, 2, 4]),
+        # default one tile (16 tokens): empty, one tile, one split exactly full, one token
+        # past it, several (38 tiles -> 10 per split)
+        (None, [0, 10, 16, 17, 600], [0, 1, 1, 2, 4]),
+        # 128 tokens = 8 tiles of 16: empty, one split, several (38 tiles -> 10 per split),
+        # one split exactly full, one token past it, four full splits
+        (128, [0, 100, 600, 128, 129, 512], [0, 1, 4, 1, 2, 4]),
         # 32 tokens = 2 tiles: the boundaries move accordingly
         (32, [0, 20, 600, 32, 33, 100], [0, 1, 4, 1, 2, 4]),
     ],
@@ -270,7 +273,7 @@ def test_sequences_in_one_split_write_out_and_skip_the_merge(
 ):
     dtype, knobs = _ONE_VARIANT[variant]
     cfg = dataclasses.replace(SMALL, min_split_tokens=min_split_tokens, **knobs)
-    tokens = 128 if min_split_tokens is None else min_split_tokens
+    tokens = cfg.block_n if min_split_tokens is None else min_split_tokens
     min_tiles = mla_decode_mod.min_split_tiles(tokens, cfg.block_n)
     assert [mla_decode_mod.active_splits(n, 4, cfg.block_n, min_tiles) for n in seq_lens] == active
     q, cache, bt, seq, kv_scale = make_case(seq_lens, 4, 16, dtype, seed=31)
@@ -291,8 +294,9 @@ def test_reused_workspace_stale_slots_are_not_merged():
 
 
 def test_default_min_split_at_batch_one_short_contexts():
-    # The measured case: 64-token tiles, 8 splits of a 1024-token capacity. 128 tokens =
-    # 2 tiles: up to 128 tokens one split, 129 -> 2 splits, 1000 (16 tiles) -> all 8.
+    # The measured case: 64-token tiles, 8 splits of a 1024-token capacity, one tile per
+    # split at least: up to 64 tokens one split (no merge), 124 / 128 -> 2 splits,
+    # 129 -> 3, 1000 (16 tiles) -> all 8.
     q, cache, bt, seq, kv_scale = make_case(
         [0, 64, 124, 128, 129, 1000], 16, 64, torch.bfloat16, seed=5
     )
@@ -300,7 +304,7 @@ def test_default_min_split_at_batch_one_short_contexts():
     cfg = mla_decode_mod.default_config(16, 1, 1024)
     assert cfg.block_n == 64 and cfg.min_split_tokens is None
     ws = _run_on_poisoned_workspace(q, cache, bt, seq, kv_scale, 8, cfg)
-    for b, a in enumerate([0, 1, 1, 1, 2, 8]):
+    for b, a in enumerate([0, 1, 2, 2, 3, 8]):
         check_split_slots(ws, b, 16, a)
 
 
