@@ -196,3 +196,39 @@ def test_gpu_fp8_absorbed_decode_carries_the_cache_write(tmp_path, monkeypatch):
     tol = 2 * max(floor[0], floor[1]) + 0.02
     assert gpu[0] <= tol and gpu[1] <= tol
     assert min(gpu[2]) >= min(min(floor[2]), STEPS // 2) or min(gpu[2]) == STEPS
+
+
+def test_gpu_gluon_mla_decode_serves_in_graphs(tmp_path, monkeypatch):
+    """The Gluon MLA decode kernel inside the engine: 64-token pages and a 4096-token
+    capacity make `--mla-decode-kernel auto` choose it (prefer_gluon) for the captured
+    decode graphs; the tokens follow the fp32 CPU reference as the Triton kernel's do."""
+    path = str(tmp_path / "kimig")  # Kimi's YaRN factor gives the 4096 positions
+    write_checkpoint(path, "kimi-k2.5", "bf16", shape=SHAPE, seed=5)
+    gluon = _count_calls(monkeypatch, "moeserve.kernels.mla_decode_gluon", "mla_decode_gluon")
+    kw = dict(max_model_len=4096)
+    cpu = LLM(path, device="cpu", dtype="float32", **kw)
+    prompts = [cpu.tokenizer.encode(t, add_special_tokens=False) for t in ("Hello there", "abc")]
+    ref = cpu.generate(
+        prompts,
+        SamplingParams(
+            max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=0
+        ),
+    )
+    floor = _compare(prompts, ref, LLM(path, device="cpu", dtype="bfloat16", **kw))
+    gpu_llm = LLM(path, device="cuda", dtype="bfloat16", page_size=64, **kw)
+    assert gpu_llm.engine.runner.graphs is not None, gpu_llm.engine.runner.graph_status
+    gpu = _compare(prompts, ref, gpu_llm)
+    print(f"gluon MLA decode: {gluon[0]} calls (probe, captures); cpu-bf16 {floor}; gpu {gpu}")
+    import moeserve.kernels.mla_decode_gluon as mg
+
+    scratch = next(
+        m._decode_scratch
+        for m in gpu_llm.engine.runner.model.modules()
+        if getattr(m, "_decode_scratch", None) is not None
+    )
+    assert scratch.gluon == "prefer"  # the start-up probe passed
+    assert all(scratch.workspace(b, 4096)[0] is mg.mla_decode_gluon for b in (1, 2))
+    assert gluon[0] > 0
+    tol = 2 * max(floor[0], floor[1]) + 0.02
+    assert gpu[0] <= tol and gpu[1] <= tol
+    assert min(gpu[2]) >= min(min(floor[2]), STEPS // 2) or min(gpu[2]) == STEPS
