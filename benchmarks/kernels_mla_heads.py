@@ -42,16 +42,24 @@ CASES = [
 CACHE_BYTES = 256 << 20  # cycle copies until one graph pass streams at least this much
 
 
-def run_case(heads: int, ctx: int, cap: int, batch: int) -> list[dict]:
-    pages_per = cap // PAGE
+def mla_case(heads: int, ctx: int, cap: int, batch: int, page: int = PAGE) -> tuple:
+    """(cache copies cycled past L2, block tables (permuted pages), seq_lens, q, out, the fp32
+    reference output on the last copy) for `batch` sequences of `ctx` tokens in a `cap`-token
+    capacity."""
+    pages_per = cap // page
     pages = pages_per * batch
-    copies = max(2, min(8, CACHE_BYTES // (pages * PAGE * 576 * 2) + 1))
-    caches = [torch.randn(pages, PAGE, 576, device="cuda").bfloat16() for _ in range(copies)]
+    copies = max(2, min(8, CACHE_BYTES // (pages * page * 576 * 2) + 1))
+    caches = [torch.randn(pages, page, 576, device="cuda").bfloat16() for _ in range(copies)]
     bt = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, pages_per)
     sl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
     out = torch.empty(batch, heads, 512, device="cuda").bfloat16()
     ref = md.mla_decode_ref(q, caches[-1], bt, sl, SM_SCALE, torch.empty_like(out)).float()
+    return caches, bt, sl, q, out, ref
+
+
+def run_case(heads: int, ctx: int, cap: int, batch: int) -> list[dict]:
+    caches, bt, sl, q, out, ref = mla_case(heads, ctx, cap, batch)
     rows = []
     for name, cfg in CONFIGS.items():
         splits = md.default_num_splits(batch, heads, cap, cfg, 132)

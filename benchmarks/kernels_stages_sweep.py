@@ -462,17 +462,31 @@ def moe_rows_f16(ms: tuple[int, ...] = (4, 8, 16, 32)) -> None:
             _moe_sweep(f"moe_rows_f16[{kern or 'auto'}]", run, [cfg], m, routes, tws, nbytes)
 
 
+def _ds_moe9():
+    """DeepSeek-V3's one-token MoE as served: 9 distinct of 257 block-FP8 experts (the shared
+    expert a bank row), direct blocks, the combine in the down launch -> (run(route, weights,
+    config), 16 routings, their weights, bytes of the distinct experts)."""
+    e_, h, i, slots = 257, 7168, 2048, 9
+    bank = rand_fp8_experts(e_, h, i)
+    per_expert = 3 * i * h + 4 * 3 * (i // 128) * (h // 128)
+    routes, tws, x, out, nbytes = _moe_inputs(e_, 1, slots, h, per_expert, 16)
+    counters = torch.zeros(h, dtype=torch.int32, device="cuda")
+
+    def run(r, tw, cfg):
+        return fused_moe_fp8(
+            x, r, tw, *bank, out=out, kernel="gemv", config=cfg, combine_counters=counters
+        ).clone()
+
+    return run, routes, tws, nbytes
+
+
 def ds_one_token() -> None:
     """DeepSeek-V3's batch-1 decode products as served (session 20): the fused block-FP8 MoE
     with the shared expert as a ninth slot (9 distinct of 257 experts, one token, direct
     blocks, combine in the down launch), its gate_up and down tiles varied separately
     (DOWN_* keys), products summed per tile or once per program (LATE_SUM); and the dense
     M=1 GEMVs of attention with deeper split-K and pipelines."""
-    e_, h, i, slots = 257, 7168, 2048, 9
-    bank = rand_fp8_experts(e_, h, i)
-    per_expert = 3 * i * h + 4 * 3 * (i // 128) * (h // 128)
-    routes, tws, x, out, nbytes = _moe_inputs(e_, 1, slots, h, per_expert, 16)
-    counters = torch.zeros(h, dtype=torch.int32, device="cuda")
+    run, routes, tws, nbytes = _ds_moe9()
     base = dict(MP=1, BLOCK_N=16, DOWN_BLOCK_N=32, BLOCK_K=128, num_warps=2, num_stages=1)
     base["STAGES"] = 4
     gate_up = [
@@ -507,14 +521,8 @@ def ds_one_token() -> None:
         )
     ]
     cands = [None] + [{**base, **c} for c in gate_up + down]
-
-    def run(r, tw, cfg, x=x, out=out, bank=bank):
-        return fused_moe_fp8(
-            x, r, tw, *bank, out=out, kernel="gemv", config=cfg, combine_counters=counters
-        ).clone()
-
     _moe_sweep("ds_moe9", run, cands, 1, routes, tws, nbytes)
-    del bank, run
+    del run
     torch.cuda.empty_cache()
     dense = [
         _gemv_cfg(bn, 128, w, st, sk, **extra)
@@ -541,11 +549,7 @@ def ds_one_token() -> None:
 def ds_moe_down() -> None:
     """Round 2 of ds_one_token's MoE part: the shipped one-token config (32-row gate_up tiles,
     LATE_SUM) against down-launch variants and wider gate_up tiles."""
-    e_, h, i, slots = 257, 7168, 2048, 9
-    bank = rand_fp8_experts(e_, h, i)
-    per_expert = 3 * i * h + 4 * 3 * (i // 128) * (h // 128)
-    routes, tws, x, out, nbytes = _moe_inputs(e_, 1, slots, h, per_expert, 16)
-    counters = torch.zeros(h, dtype=torch.int32, device="cuda")
+    run, routes, tws, nbytes = _ds_moe9()
     cands = [None] + [
         dict(c)
         for c in (
@@ -564,14 +568,8 @@ def ds_moe_down() -> None:
             dict(STAGES=5),
         )
     ]
-
-    def run(r, tw, cfg, x=x, out=out, bank=bank):
-        return fused_moe_fp8(
-            x, r, tw, *bank, out=out, kernel="gemv", config=cfg, combine_counters=counters
-        ).clone()
-
     _moe_sweep("ds_moe9_down", run, cands, 1, routes, tws, nbytes)
-    del bank, run
+    del run
     torch.cuda.empty_cache()
 
 

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from common import gpu_meta
 from kernels_gemm_moe import graph_time_us
+from kernels_mla_heads import SM_SCALE, mla_case
 
 from moeserve.kernels import mla_decode as md
 
 PAGE = 16
-SM_SCALE = 0.1
 MIN_TOKENS = (64, 128, 256, 512)
 CASES = [  # heads, context, capacity, batch
     (128, 100, 1024, 1),
@@ -38,19 +38,10 @@ CASES = [  # heads, context, capacity, batch
     (16, 2000, 16384, 1),
     (16, 2000, 16384, 8),
 ]
-CACHE_BYTES = 256 << 20
 
 
 def run_case(heads: int, ctx: int, cap: int, batch: int) -> list[dict]:
-    pages_per = cap // PAGE
-    pages = pages_per * batch
-    copies = max(2, min(8, CACHE_BYTES // (pages * PAGE * 576 * 2) + 1))
-    caches = [torch.randn(pages, PAGE, 576, device="cuda").bfloat16() for _ in range(copies)]
-    bt = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, pages_per)
-    sl = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-    q = torch.randn(batch, heads, 576, device="cuda").bfloat16()
-    out = torch.empty(batch, heads, 512, device="cuda").bfloat16()
-    ref = md.mla_decode_ref(q, caches[-1], bt, sl, SM_SCALE, torch.empty_like(out)).float()
+    caches, bt, sl, q, out, ref = mla_case(heads, ctx, cap, batch, PAGE)
     base = md.default_config(heads, batch, cap)
     splits = md.default_num_splits(batch, heads, cap, base, 132)
     ws = md.MLADecodeWorkspace.allocate(batch, heads, splits, "cuda")
