@@ -95,6 +95,18 @@ def _load_w(rows, n_ok, kk, K, SCALED: tl.constexpr):
 
 
 @triton.jit
+def _scaled_tile(rows, n_ok, s_row, k0, K, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+                 SCALE_BLOCK: tl.constexpr):  # fmt: skip
+    """(weight tile [R, BLOCK_K] from column k0 as fp32, its block scale or 1.0, columns)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    w = _load_w(rows, n_ok, kk, K, SCALED)
+    s = 1.0
+    if SCALED:
+        s = tl.load(s_row + k0 // SCALE_BLOCK)
+    return w, s, kk
+
+
+@triton.jit
 def _slot_dot(acc, w, x_row, ok, kk, K, s):
     """acc [R] += (w [R, BK] . x[kk]) * s: the scale folded into the activation chunk."""
     xv = tl.load(x_row + kk, mask=ok & (kk < K), other=0.0).to(tl.float32) * s
@@ -138,23 +150,15 @@ def fp8_gemv_rows(
         tl.static_assert(MP == 1)
         wide = tl.zeros((R, BLOCK_K), dtype=tl.float32)
         for it in tl.range(0, K_ITERS, num_stages=STAGES if STAGES > 0 else None):
-            k0 = k_begin + it * BLOCK_K
-            kk = k0 + tl.arange(0, BLOCK_K)
-            w = _load_w(rows, n_ok, kk, K, SCALED)
-            s = 1.0
-            if SCALED:
-                s = tl.load(s_row + k0 // SCALE_BLOCK)
+            w, s, kk = _scaled_tile(rows, n_ok, s_row, k_begin + it * BLOCK_K, K,
+                                    BLOCK_K, SCALED, SCALE_BLOCK)  # fmt: skip
             xv = tl.load(x0 + kk, mask=ok0 & (kk < K), other=0.0).to(tl.float32) * s
             wide += w * xv[None, :]
         acc0 = tl.sum(wide, axis=1)
     else:
         for it in tl.range(0, K_ITERS, num_stages=STAGES if STAGES > 0 else None):
-            k0 = k_begin + it * BLOCK_K
-            kk = k0 + tl.arange(0, BLOCK_K)
-            w = _load_w(rows, n_ok, kk, K, SCALED)
-            s = 1.0
-            if SCALED:
-                s = tl.load(s_row + k0 // SCALE_BLOCK)
+            w, s, kk = _scaled_tile(rows, n_ok, s_row, k_begin + it * BLOCK_K, K,
+                                    BLOCK_K, SCALED, SCALE_BLOCK)  # fmt: skip
             acc0 = _slot_dot(acc0, w, x0, ok0, kk, K, s)
             if MP > 1:
                 acc1 = _slot_dot(acc1, w, x1, ok1, kk, K, s)
