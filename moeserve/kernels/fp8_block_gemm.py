@@ -138,7 +138,8 @@ def fp8_gemv_rows(
     128, so a tile has one scale; each weight tile is converted once and serves every row.
     STAGES > 0 lets Triton pipeline the weight tiles through that many shared-memory buffers
     (it pipelines loads that feed no tl.dot only when the loop names its stages).
-    LATE_SUM (one row only): products accumulate elementwise in [R, BLOCK_K] and are reduced
+    LATE_SUM (one row only; ignored for MP > 1, whose four [R, BLOCK_K] accumulators would
+    not fit the registers): products accumulate elementwise in [R, BLOCK_K] and are reduced
     across the threads once after the loop instead of once per tile."""
     x0, x1, x2, x3 = x_rows
     ok0, ok1, ok2, ok3 = oks
@@ -146,8 +147,7 @@ def fp8_gemv_rows(
     acc1 = tl.zeros((R,), dtype=tl.float32)
     acc2 = tl.zeros((R,), dtype=tl.float32)
     acc3 = tl.zeros((R,), dtype=tl.float32)
-    if LATE_SUM:
-        tl.static_assert(MP == 1)
+    if LATE_SUM and MP == 1:
         wide = tl.zeros((R, BLOCK_K), dtype=tl.float32)
         for it in tl.range(0, K_ITERS, num_stages=STAGES if STAGES > 0 else None):
             w, s, kk = _scaled_tile(rows, n_ok, s_row, k_begin + it * BLOCK_K, K,
@@ -397,7 +397,7 @@ def _fp8_block_gemv(
         SPLIT_K=split,
         K_ITERS=k_iters,
         STAGES=cfg.get("STAGES", 0),
-        LATE_SUM=cfg.get("LATE_SUM", 0) if mp == 1 else 0,
+        LATE_SUM=cfg.get("LATE_SUM", 0),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

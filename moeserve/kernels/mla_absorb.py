@@ -364,7 +364,7 @@ def absorb_gemv(
         x, wb, s, out, t, lat, kb, *common,
         HEAD_ROWS=head_rows, NOPE=nope, V=v_dim, MP=mp, BLOCK_N=bn, BLOCK_K=bk,
         K_ITERS=triton.cdiv(lat, bk), SCALED=scaled, STAGES=cfg.get("STAGES", 0),
-        SCALE_BLOCK=FP8_BLOCK, LATE_SUM=cfg.get("LATE_SUM", 0) if mp == 1 else 0,
+        SCALE_BLOCK=FP8_BLOCK, LATE_SUM=cfg.get("LATE_SUM", 0),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out

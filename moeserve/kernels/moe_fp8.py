@@ -389,7 +389,7 @@ def _gemv(x, ids, tw, w13, s13, w2, s2, cfg, scaled, into: CombineInto):
     mp, bn, bn2, bk = cfg["MP"], cfg["BLOCK_N"], cfg["DOWN_BLOCK_N"], cfg["BLOCK_K"]
     # optional: the down launch's own K tile / warps / stages; products summed once per program
     bk2 = cfg.get("DOWN_BLOCK_K", bk)
-    late_sum = cfg.get("LATE_SUM", 0) if mp == 1 else 0
+    late_sum = cfg.get("LATE_SUM", 0)
     mk = ids.numel()
     sorted_ids, expert_ids, direct = gemv_blocks(ids, num_e, mp)
     nb = expert_ids.numel()
