@@ -55,6 +55,7 @@ def nvfp4_gemm_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from moeserve.kernels.e2m1_ptx import decode_pairs_ptx  # noqa: E402
 from moeserve.kernels.splitk import (  # noqa: E402
     ACC_FIX_EXP,
     SCALE_BIAS_EXP,
@@ -74,38 +75,17 @@ DECODE_ARITH = 0  # per-element arithmetic decode (interpreter; slow on a GPU)
 DECODE_ASM = 1  # packed-word inline PTX, bf16x2 scale multiply (the GPU default)
 DECODE_BITS = 2  # packed-word decode in Triton integer ops via fp16 (portable; interpreter too)
 
+
 # $0..$7: bf16 bits of n0..n7 (int16 outputs), $8: the word, $9: bf16 bits of scale*2^118.
-_E2M1_ASM = tl.constexpr(
-    """
-{
-.reg .b32 x, t, r, ss;
-mov.b32 ss, {$9, $9};
-shl.b32 x, $8, 12;
-and.b32 t, x, 0x70007000;
-shr.b32 t, t, 6;
-lop3.b32 r, x, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 r, r, ss;
-mov.b32 {$0, $4}, r;
-shl.b32 x, $8, 8;
-and.b32 t, x, 0x70007000;
-shr.b32 t, t, 6;
-lop3.b32 r, x, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 r, r, ss;
-mov.b32 {$1, $5}, r;
-shl.b32 x, $8, 4;
-and.b32 t, x, 0x70007000;
-shr.b32 t, t, 6;
-lop3.b32 r, x, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 r, r, ss;
-mov.b32 {$2, $6}, r;
-and.b32 t, $8, 0x70007000;
-shr.b32 t, t, 6;
-lop3.b32 r, $8, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 r, r, ss;
-mov.b32 {$3, $7}, r;
-}
-"""
-)
+def _e2m1_bf16_asm() -> str:
+    lines = [".reg .b32 et, ea, eb, ss, r0, r1, r2, r3;", "mov.b32 ss, {$9, $9};"]
+    lines.append(decode_pairs_ptx("$8", ("r0", "r1", "r2", "r3"), "bf16", ("et", "ea", "eb")))
+    for j in range(4):
+        lines += [f"mul.rn.bf16x2 r{j}, r{j}, ss;", f"mov.b32 {{${j}, ${j + 4}}}, r{j};"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_E2M1_ASM = tl.constexpr(_e2m1_bf16_asm())
 
 
 @triton.jit

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.e2m1_ptx import decode_pairs_ptx
 from moeserve.kernels.splitk import (
     ACC_FIX_EXP,
     SplitKWorkspace,
@@ -44,27 +45,14 @@ MMA_TOKENS = tl.constexpr(
     8
 )  # rows of activations one program serves (the MMA's m16 minus its zero half)
 
-_DECODE_PAIRS = """
-shl.b32 x, {q}, 12;
-and.b32 t, x, 0x70007000;
-shr.b32 t, t, 6;
-lop3.b32 {w0}, x, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 {w0}, {w0}, ss;
-shl.b32 x, {q}, 8;
-and.b32 t, x, 0x70007000;
-shr.b32 t, t, 6;
-lop3.b32 {w1}, x, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 {w1}, {w1}, ss;
-shl.b32 x, {q}, 4;
-and.b32 t, x, 0x70007000;
-shr.b32 t, t, 6;
-lop3.b32 {w2}, x, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 {w2}, {w2}, ss;
-and.b32 t, {q}, 0x70007000;
-shr.b32 t, t, 6;
-lop3.b32 {w3}, {q}, 0x80008000, t, 0xEA;
-mul.rn.bf16x2 {w3}, {w3}, ss;
-"""
+
+def _decode_pairs(q: str) -> str:
+    """Word q -> bf16x2 pairs w0..w3 times the scale pair ss (e2m1_ptx's decode)."""
+    outs = ("w0", "w1", "w2", "w3")
+    lines = decode_pairs_ptx(q, outs, "bf16", ("et", "ea", "eb"))
+    return lines + "".join(f"mul.rn.bf16x2 {w}, {w}, ss;\n" for w in outs)
+
+
 _X_PAIRS = """
 prmt.b32 p0, {a}, {c}, 0x5410;
 prmt.b32 p1, {a}, {c}, 0x7632;
@@ -84,7 +72,7 @@ mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
 _MMA_ASM = tl.constexpr(
     """
 {
-.reg .b32 xa, xb, xc, xd, xe, xf, xg, xh, p0, p1, p2, p3, x, t, w0, w1, w2, w3, ss, z, s2, wi;
+.reg .b32 xa, xb, xc, xd, xe, xf, xg, xh, p0, p1, p2, p3, et, ea, eb, w0, w1, w2, w3, ss, z, s2, wi;
 .reg .b64 ax, as;
 .reg .b16 sb, sl, sh;
 .reg .f32 sf, d2, d3, zf;
@@ -104,10 +92,10 @@ mul.f32 sf, sf, 0f7A800000;
 cvt.rn.bf16.f32 sl, sf;
 mov.b32 ss, {sl, sl};
 """
-    + _DECODE_PAIRS.format(q="$8", w0="w0", w1="w1", w2="w2", w3="w3")
+    + _decode_pairs("$8")
     + _X_PAIRS.format(a="xa", b="xb", c="xc", d="xd")
     + _MMA2.format(o0="$0", o1="$2", i0="$4", i1="$6", w0="w0", w1="w1", w2="w2", w3="w3")
-    + _DECODE_PAIRS.format(q="$9", w0="w0", w1="w1", w2="w2", w3="w3")
+    + _decode_pairs("$9")
     + _X_PAIRS.format(a="xe", b="xf", c="xg", d="xh")
     + _MMA2.format(o0="$1", o1="$3", i0="$5", i1="$7", w0="w0", w1="w1", w2="w2", w3="w3")
     + "}"
