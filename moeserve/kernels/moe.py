@@ -339,6 +339,7 @@ def _moe_gate_up_gemv_kernel(
     STAGES: tl.constexpr = 0,
     F16: tl.constexpr = 0,
     DIRECT: tl.constexpr = 0,
+    EVEN: tl.constexpr = 0,
 ):
     """CUDA-core decode path of _moe_gate_up_kernel: block pid(0) (MP slots of one expert),
     gate rows and up rows of column tile pid(1) decoded as one [2*BLOCK_N] row tile, so every
@@ -377,6 +378,7 @@ def _moe_gate_up_gemv_kernel(
         0,
         STAGES,
         F16,
+        EVEN,
     )
     gs = tl.load(gs_ptr + expert) * (2.0**GEMV_F16_EXP)
     on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -462,6 +464,7 @@ def _moe_down_gemv_kernel(
     DIRECT: tl.constexpr = 0,
     COMBINE: tl.constexpr = 0,  # 0, or the token's slots rounded up to a power of two
     ACCUMULATE: tl.constexpr = 0,
+    EVEN: tl.constexpr = 0,
 ):
     """CUDA-core decode path of _moe_down_kernel (same outputs), grid like the gate_up GEMV.
     COMBINE (direct blocks only): the combine too, out = sum of the slots' rows (see
@@ -500,6 +503,7 @@ def _moe_down_gemv_kernel(
         0,
         STAGES,
         F16,
+        EVEN,
     )
     gs = tl.load(gs_ptr + expert) * (2.0**GEMV_F16_EXP)
     _store_down(acc0, s0, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
@@ -897,6 +901,7 @@ def _moe_gemv(x, topk_ids, tw, weights, cfg, dec, into: CombineInto):
         STAGES=cfg.get("STAGES", 0),
         F16=cfg.get("F16", 0),
         DIRECT=direct,
+        EVEN=int(h % bk == 0 and inter_size % bn == 0),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -928,6 +933,7 @@ def _moe_gemv(x, topk_ids, tw, weights, cfg, dec, into: CombineInto):
         DIRECT=direct,
         COMBINE=triton.next_power_of_2(mk) if direct else 0,
         ACCUMULATE=into.accumulate,
+        EVEN=int(inter_size % bk == 0 and h % bn2 == 0),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

@@ -5,16 +5,17 @@ At M <= 8 a W4A16 GEMM is a stream of 4-bit weights with almost no arithmetic pe
 limits it is instruction issue, not the MMA: the tensor-core path (nvfp4_gemm.py) must decode
 E2M1 to bf16 and move the tile through shared memory into the MMA operand layout, ~5.6
 instructions per weight element. Here nothing leaves the registers: each 32-bit word of 8 codes
-is decoded by 15 integer instructions into 8 fp32 values, each then costs one FMA per row of x.
+is decoded by 11 integer instructions into 4 f16x2 pairs (e2m1_ptx.py) and 8 conversions into
+fp32 values, each then costs one FMA per row of x.
 The block scale multiplies a 16-element partial sum (1/16 of an FMA per element). With the F16
-tile option the products are f16x2 instead (one fma.rn.f16x2 per two weights, a 12-instruction
-decode per word, x scaled per row by a power of two; see _E2M1_F16X2_DOT_ASM), and with STAGES
+tile option the products are f16x2 instead (one fma.rn.f16x2 per two weights, no conversions,
+x scaled per row by a power of two; see _E2M1_F16X2_DOT_ASM), and with STAGES
 the K loop streams weight tiles through shared memory by cp.async instead of registers.
 
-Decode (Marlin-style on words): for codes (n_j, n_{j+4}) of word q, `x = q << (12-4j)` puts both
-signs at bits 15/31 and `t = (q << (9-4j)) & 0x0E000E00` puts (e1 e0 m) at bits 11..9 / 27..25;
-`x & 0x80008000 | t` read as f16x2 is the two E2M1 values times 2^-14 (e=0 lands on an f16
-subnormal, which f16 -> f32 conversion keeps exactly). The 2^14 is folded into the global scale.
+Decode (Marlin-style on words, e2m1_ptx.py): pair j of word q holds codes (n_j, n_{j+4}) as
+f16x2 with the signs at bits 15/31 and (e1 e0 m) at bits 11..9 / 27..25, i.e. the two E2M1
+values times 2^-14 (e=0 lands on an f16 subnormal, which f16 -> f32 conversion keeps exactly).
+The 2^14 is folded into the global scale.
 
 Layouts are nvfp4_format.py's (ModelOpt): packed uint8 [N, K/2] viewed as int32 [N, K/8], scales
 e4m3 [N, K/16], one fp32 global scale; K a multiple of 16 (tiles past K load as zeros).
@@ -27,6 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moeserve.kernels.e2m1_ptx import decode_pairs_ptx
 from moeserve.kernels.splitk import (
     SplitKWorkspace,
     dense_x_rows,
@@ -37,42 +39,18 @@ from moeserve.kernels.splitk import (
 
 GEMV_F16_EXP = tl.constexpr(14)  # decoded f16 values are E2M1 * 2^-14
 
+
 # $0..$7: fp32 values of nibbles 0..7 of word $8 (times 2^-14).
-_E2M1_F32_ASM = tl.constexpr(
-    """
-{
-.reg .b32 x, t, r;
-.reg .b16 lo, hi;
-shl.b32 x, $8, 12;
-shl.b32 t, $8, 9;
-and.b32 t, t, 0x0E000E00;
-lop3.b32 r, x, 0x80008000, t, 0xEA;
-mov.b32 {lo, hi}, r;
-cvt.f32.f16 $0, lo;
-cvt.f32.f16 $4, hi;
-shl.b32 x, $8, 8;
-shl.b32 t, $8, 5;
-and.b32 t, t, 0x0E000E00;
-lop3.b32 r, x, 0x80008000, t, 0xEA;
-mov.b32 {lo, hi}, r;
-cvt.f32.f16 $1, lo;
-cvt.f32.f16 $5, hi;
-shl.b32 x, $8, 4;
-shl.b32 t, $8, 1;
-and.b32 t, t, 0x0E000E00;
-lop3.b32 r, x, 0x80008000, t, 0xEA;
-mov.b32 {lo, hi}, r;
-cvt.f32.f16 $2, lo;
-cvt.f32.f16 $6, hi;
-shr.u32 t, $8, 3;
-and.b32 t, t, 0x0E000E00;
-lop3.b32 r, $8, 0x80008000, t, 0xEA;
-mov.b32 {lo, hi}, r;
-cvt.f32.f16 $3, lo;
-cvt.f32.f16 $7, hi;
-}
-"""
-)
+def _e2m1_f32_asm() -> str:
+    lines = [".reg .b32 et, ea, eb, r0, r1, r2, r3;", ".reg .b16 lo, hi;"]
+    lines.append(decode_pairs_ptx("$8", ("r0", "r1", "r2", "r3"), "f16", ("et", "ea", "eb")))
+    for j in range(4):
+        lines += [f"mov.b32 {{lo, hi}}, r{j};", f"cvt.f32.f16 ${j}, lo;"]
+        lines.append(f"cvt.f32.f16 ${j + 4}, hi;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_E2M1_F32_ASM = tl.constexpr(_e2m1_f32_asm())
 
 
 @triton.jit
@@ -130,34 +108,19 @@ def _decode_nibbles(q, DECODE: tl.constexpr):
 # f16x2 products (F16 option): $0 = fp32 sum over one 16-element block of the products of the
 # codes of words $1, $2 (value * 2^-14) with x pairs $3..$10, f16x2 words (x[8w + j],
 # x[8w + j + 4]) for word w, j = 0..3, of x pre-scaled by a power of two. One fma.rn.f16x2 per
-# two weights replaces two f16 -> f32 conversions and two fp32 FMAs. Decode, 12 instructions
-# per word: e = q & 0x07070707 | (q << 3) & ~that keeps the values of nibbles 0, 2, 4, 6 and
-# puts each one's sign 3 bits above its value bits; then (e << (9 - 4j)) & 0x8E008E00 is pair
-# (j, j + 4) as f16x2 for j = 0, 2, likewise o (mask 0x70707070) for j = 1; j = 3 takes the
-# signs from q itself (bit 31 would shift out).
+# two weights replaces two f16 -> f32 conversions and two fp32 FMAs; the decode is
+# e2m1_ptx's (11 instructions per word).
 
 
 def _f16x2_dot_asm() -> str:
-    lines = [".reg .b32 t, e, o, r, a;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;"]
+    lines = [".reg .b32 et, ea, eb, r0, r1, r2, r3, a;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;"]
     first = True
     for w, q in ((0, "$1"), (1, "$2")):
-        lines += [
-            f"shl.b32 t, {q}, 3;",
-            f"lop3.b32 e, {q}, t, 0x07070707, 0xE4;",  # (a & c) | (b & ~c)
-            f"lop3.b32 o, {q}, t, 0x70707070, 0xE4;",
-        ]
+        lines.append(decode_pairs_ptx(q, ("r0", "r1", "r2", "r3"), "f16", ("et", "ea", "eb")))
         for j in range(4):
-            if j == 3:
-                lines += [
-                    f"shr.u32 t, {q}, 3;",
-                    "and.b32 t, t, 0x0E000E00;",
-                    f"lop3.b32 r, {q}, 0x80008000, t, 0xEA;",  # (a & b) | c
-                ]
-            else:
-                src = "e" if j % 2 == 0 else "o"
-                lines += [f"shl.b32 r, {src}, {9 - 4 * j};", "and.b32 r, r, 0x8E008E00;"]
             x = f"${3 + 4 * w + j}"
-            lines.append(f"mul.rn.f16x2 a, r, {x};" if first else f"fma.rn.f16x2 a, r, {x}, a;")
+            op = f"mul.rn.f16x2 a, r{j}, {x};" if first else f"fma.rn.f16x2 a, r{j}, {x}, a;"
+            lines.append(op)
             first = False
     lines += ["mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;"]
     lines.append("add.f32 $0, flo, fhi;")
@@ -211,15 +174,23 @@ def _pair_dot(q, p, j: tl.constexpr, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot_f16(q0, q1, s, x_row, ok, kw, K, xs, xinv, BW: tl.constexpr, DECODE: tl.constexpr):
+def _tile_dot_f16(q0, q1, s, x_row, ok, kw, K, xs, BW: tl.constexpr, DECODE: tl.constexpr):
     """F16 path of one tile: words q0 / q1 [R, BW/2] (first / second word of each 16-element
-    block), block scales s [R, BW/2] -> sum(w * x) * s per block, [R, BW/2] fp32 (x 2^-14)."""
-    xh = (_load_x(x_row, ok, kw, K, BW) * xs).to(tl.float16)
-    xi = xh.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    block), block scales s [R, BW/2] -> sum(w * x) * s per block, [R, BW/2] fp32 (x 2^-14,
+    x times its power-of-two scale xs, which the caller undoes once)."""
+    xf = _load_x(x_row, ok, kw, K, BW) * xs
     # element 16b + 8w + 4h + j of the tile -> pair word (j, j + 4) of word w of block b
-    xi = tl.permute(tl.reshape(xi, (BW // 2, 2, 2, 4)), (0, 1, 3, 2))
-    lo, hi = tl.split(xi)
-    w0, w1 = tl.split(tl.permute(lo | (hi << 16), (0, 2, 1)))
+    xf = tl.permute(tl.reshape(xf, (BW // 2, 2, 2, 4)), (0, 1, 3, 2))
+    lo, hi = tl.split(xf)
+    if DECODE == 1:  # one conversion per pair (cvt puts its first source in the high half)
+        pairs = tl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        lo = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        pairs = lo | (hi << 16)
+    w0, w1 = tl.split(tl.permute(pairs, (0, 2, 1)))
     a0, a1, a2, a3 = _split4(w0)
     b0, b1, b2, b3 = _split4(w1)
     if DECODE == 1:
@@ -247,7 +218,7 @@ def _tile_dot_f16(q0, q1, s, x_row, ok, kw, K, xs, xinv, BW: tl.constexpr, DECOD
         g += _pair_dot(q0, a2[None, :], 2, DECODE) + _pair_dot(q0, a3[None, :], 3, DECODE)
         g += _pair_dot(q1, b0[None, :], 0, DECODE) + _pair_dot(q1, b1[None, :], 1, DECODE)
         g += _pair_dot(q1, b2[None, :], 2, DECODE) + _pair_dot(q1, b3[None, :], 3, DECODE)
-    return g * (s * xinv)
+    return g * s
 
 
 @triton.jit
@@ -267,14 +238,30 @@ def _decode_words(q, R: tl.constexpr, BW: tl.constexpr, DECODE: tl.constexpr):
 
 
 @triton.jit
+def _load_q(w_rows, n_mask, kw0, KW, BW: tl.constexpr, EVEN: tl.constexpr = 0):
+    """Words [R, BW] from word column kw0 (masked ones load as 0). EVEN: the caller guarantees
+    every row and column is inside the weight, so no masks (their compares, selects and zero
+    fills were ~6% of the MoE GEMV's loop)."""
+    offs_w = kw0 + tl.arange(0, BW)
+    if EVEN:
+        return tl.load(w_rows + offs_w[None, :])
+    return tl.load(w_rows + offs_w[None, :], mask=n_mask & (offs_w[None, :] < KW), other=0)
+
+
+@triton.jit
+def _load_scales(s_rows, n_mask, kw0, KW, BW: tl.constexpr, EVEN: tl.constexpr = 0):
+    """The raw e4m3 block scales [R, BW/2] of the words _load_q loads."""
+    offs_g = kw0 // 2 + tl.arange(0, BW // 2)
+    if EVEN:
+        return tl.load(s_rows + offs_g[None, :])
+    return tl.load(s_rows + offs_g[None, :], mask=n_mask & (offs_g[None, :] < KW // 2), other=0)
+
+
+@triton.jit
 def _load_words(w_rows, s_rows, n_mask, kw0, KW, BW: tl.constexpr):
     """Words [R, BW] from word column kw0 and the raw e4m3 block scales [R, BW/2]; masked
     words and scales load as 0."""
-    offs_w = kw0 + tl.arange(0, BW)
-    q = tl.load(w_rows + offs_w[None, :], mask=n_mask & (offs_w[None, :] < KW), other=0)
-    offs_g = kw0 // 2 + tl.arange(0, BW // 2)
-    s = tl.load(s_rows + offs_g[None, :], mask=n_mask & (offs_g[None, :] < KW // 2), other=0)
-    return q, s
+    return _load_q(w_rows, n_mask, kw0, KW, BW), _load_scales(s_rows, n_mask, kw0, KW, BW)
 
 
 @triton.jit
@@ -292,7 +279,7 @@ def _load_x(x_row, row_ok, kw0, K, BW: tl.constexpr):
 
 @triton.jit
 def _tile_update(
-    accs, q, s8, x_rows, oks, xss, xinvs, kw, K,
+    accs, q, s8, x_rows, oks, xss, kw, K,
     R: tl.constexpr, BW: tl.constexpr, MP: tl.constexpr, DECODE: tl.constexpr,
     F16: tl.constexpr,
 ):  # fmt: skip
@@ -303,14 +290,13 @@ def _tile_update(
     s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if F16:
         xs0, xs1, xs2, xs3 = xss
-        xi0, xi1, xi2, xi3 = xinvs
         q0, q1 = tl.split(tl.reshape(q, (R, BW // 2, 2)))
-        acc0 += _tile_dot_f16(q0, q1, s, x_row0, ok0, kw, K, xs0, xi0, BW, DECODE)
+        acc0 += _tile_dot_f16(q0, q1, s, x_row0, ok0, kw, K, xs0, BW, DECODE)
         if MP > 1:
-            acc1 += _tile_dot_f16(q0, q1, s, x_row1, ok1, kw, K, xs1, xi1, BW, DECODE)
+            acc1 += _tile_dot_f16(q0, q1, s, x_row1, ok1, kw, K, xs1, BW, DECODE)
         if MP > 2:
-            acc2 += _tile_dot_f16(q0, q1, s, x_row2, ok2, kw, K, xs2, xi2, BW, DECODE)
-            acc3 += _tile_dot_f16(q0, q1, s, x_row3, ok3, kw, K, xs3, xi3, BW, DECODE)
+            acc2 += _tile_dot_f16(q0, q1, s, x_row2, ok2, kw, K, xs2, BW, DECODE)
+            acc3 += _tile_dot_f16(q0, q1, s, x_row3, ok3, kw, K, xs3, BW, DECODE)
     else:
         w = _decode_words(q, R, BW, DECODE)
         acc0 += _group_dot(w, s, _load_x(x_row0, ok0, kw, K, BW), R, BW)
@@ -320,6 +306,15 @@ def _tile_update(
             acc2 += _group_dot(w, s, _load_x(x_row2, ok2, kw, K, BW), R, BW)
             acc3 += _group_dot(w, s, _load_x(x_row3, ok3, kw, K, BW), R, BW)
     return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _unscale_x(accs, xinvs):
+    """The accumulators times their x rows' inverse scales (1.0 without F16): the scale is one
+    power of two per row and K slice, so it is undone once instead of once per block."""
+    acc0, acc1, acc2, acc3 = accs
+    xi0, xi1, xi2, xi3 = xinvs
+    return acc0 * xi0, acc1 * xi1, acc2 * xi2, acc3 * xi3
 
 
 @triton.jit
@@ -356,6 +351,7 @@ def gemv_accumulate(
     PDL: tl.constexpr = 0,
     STAGES: tl.constexpr = 0,
     F16: tl.constexpr = 0,
+    EVEN: tl.constexpr = 0,
 ):
     """Partial dot products of R weight rows (pointers w_rows / s_rows [R, 1]) with up to 4 x
     rows (row pointers x_rows, used where oks) over K_ITERS tiles of BW words from word column
@@ -366,7 +362,10 @@ def gemv_accumulate(
     PDL: the first tiles are requested before waiting for the previous kernel in the stream
     (programmatic dependent launch): weights are constants, x is that kernel's output.
     F16: products in f16x2 (one fma.rn.f16x2 per two weights) on x scaled per row by a power
-    of two, 16-term block sums converted to fp32; the accumulators are the same."""
+    of two, 16-term block sums converted to fp32; the accumulators are the same.
+    EVEN (STAGES only: the register prefetch reads past the slice): every row of the tile is
+    below N and the K_ITERS tiles from kw_begin lie inside K, so the weight loads are not
+    masked."""
     zero = tl.zeros((R, BW // 2), dtype=tl.float32)
     accs = (zero, zero, zero, zero)
     xss = (1.0, 1.0, 1.0, 1.0)
@@ -379,11 +378,17 @@ def gemv_accumulate(
             gdc_wait()
         if F16:
             xss, xinvs = _x_scales(x_rows, oks, kw_begin, K, BW, MP, K_ITERS)
+        # The one-byte scale loads cannot go through cp.async (4 bytes at least), so they are
+        # requested a tile ahead in registers; the last request re-reads the last tile.
+        kw_last = kw_begin + (K_ITERS - 1) * BW
+        s_next = _load_scales(s_rows, n_mask, kw_begin, KW, BW, EVEN)
         for it in tl.range(0, K_ITERS, num_stages=STAGES):
             kw = kw_begin + it * BW
-            q, s8 = _load_words(w_rows, s_rows, n_mask, kw, KW, BW)
-            accs = _tile_update(accs, q, s8, x_rows, oks, xss, xinvs, kw, K, R, BW, MP, DECODE, F16)
-        return accs
+            q = _load_q(w_rows, n_mask, kw, KW, BW, EVEN)
+            s8 = s_next
+            s_next = _load_scales(s_rows, n_mask, tl.minimum(kw + BW, kw_last), KW, BW, EVEN)
+            accs = _tile_update(accs, q, s8, x_rows, oks, xss, kw, K, R, BW, MP, DECODE, F16)
+        return _unscale_x(accs, xinvs)
     kw0 = kw_begin
     q, s8 = _load_words(w_rows, s_rows, n_mask, kw0, KW, BW)
     q1, s81 = _load_words(w_rows, s_rows, n_mask, kw0 + BW, KW, BW)
@@ -394,14 +399,14 @@ def gemv_accumulate(
     for _ in range(K_ITERS):
         if PREFETCH == 2:
             q2, s82 = _load_words(w_rows, s_rows, n_mask, kw0 + 2 * BW, KW, BW)
-        accs = _tile_update(accs, q, s8, x_rows, oks, xss, xinvs, kw0, K, R, BW, MP, DECODE, F16)
+        accs = _tile_update(accs, q, s8, x_rows, oks, xss, kw0, K, R, BW, MP, DECODE, F16)
         if PREFETCH == 2:
             q, s8, q1, s81 = q1, s81, q2, s82
         else:
             q, s8 = q1, s81
             q1, s81 = _load_words(w_rows, s_rows, n_mask, kw0 + 2 * BW, KW, BW)
         kw0 += BW
-    return accs
+    return _unscale_x(accs, xinvs)
 
 
 @triton.jit
@@ -445,6 +450,7 @@ def _nvfp4_gemv_kernel(
     PDL: tl.constexpr = 0,
     STAGES: tl.constexpr = 0,
     F16: tl.constexpr = 0,
+    EVEN: tl.constexpr = 0,
 ):
     """out [M, N] = x [M, K] @ W^T for MP rows of x per program.
     Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, MP)). With SPLIT_K > 1 the partial sums meet in
@@ -481,6 +487,7 @@ def _nvfp4_gemv_kernel(
         PDL,
         STAGES,
         F16,
+        EVEN,
     )
     scale = tl.load(gs_ptr) * (2.0**GEMV_F16_EXP)
     o = out_ptr + row0.to(tl.int64) * stride_om + offs_n
@@ -631,6 +638,7 @@ def nvfp4_gemv(
         PDL=int(pdl),
         STAGES=config.get("STAGES", 0),
         F16=config.get("F16", 0),
+        EVEN=int(n % bn == 0 and split * k_iters * bk == k),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         launch_pdl=pdl,

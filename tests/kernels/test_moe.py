@@ -94,6 +94,9 @@ def _gemv(mp):
         (9, 4, (_gemv(2), None), DECODE_BITS, "gemv"),
         (40, 2, (_gemv(4), None), DECODE_BITS, "gemv"),  # experts with many blocks
         (3, 3, (dict(_gemv(1), STAGES=3), None), DECODE_BITS, "gemv"),  # pipelined K loop
+        # 16-wide K tiles divide H: unmasked loads in both launches (EVEN)
+        (2, 3, (dict(_gemv(1), BLOCK_K=16, STAGES=2), None), DECODE_BITS, "gemv"),
+        (1, 3, (dict(_gemv(1), BLOCK_K=16, STAGES=2, F16=1), None), DECODE_BITS, "gemv"),
     ],
 )
 def test_fused_matches_reference(weights, m, k, cfgs, decode, kernel):

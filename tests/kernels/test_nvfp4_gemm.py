@@ -194,6 +194,9 @@ GEMV = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=0, num_warps=4, num_stages=1)
         (7, 24, 256, dict(GEMV, SPLIT_K=1)),  # 4 rows per program, second block half empty
         (1, 48, 800, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, STAGES=3)),  # pipelined loop
         (4, 33, 528, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, STAGES=2)),
+        # tiles divide N and K (EVEN: unmasked loads, the scales requested a tile ahead)
+        (1, 64, 512, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, STAGES=3)),
+        (1, 64, 512, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, STAGES=3, F16=1)),
     ],
 )
 @pytest.mark.parametrize("decode", [nv.DECODE_ARITH, nv.DECODE_BITS])
