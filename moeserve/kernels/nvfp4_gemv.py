@@ -258,10 +258,13 @@ def _load_scales(s_rows, n_mask, kw0, KW, BW: tl.constexpr, EVEN: tl.constexpr =
 
 
 @triton.jit
-def _load_words(w_rows, s_rows, n_mask, kw0, KW, BW: tl.constexpr):
+def _load_words(w_rows, s_rows, n_mask, kw0, KW, BW: tl.constexpr, EVEN: tl.constexpr = 0):
     """Words [R, BW] from word column kw0 and the raw e4m3 block scales [R, BW/2]; masked
     words and scales load as 0."""
-    return _load_q(w_rows, n_mask, kw0, KW, BW), _load_scales(s_rows, n_mask, kw0, KW, BW)
+    return (
+        _load_q(w_rows, n_mask, kw0, KW, BW, EVEN),
+        _load_scales(s_rows, n_mask, kw0, KW, BW, EVEN),
+    )
 
 
 @triton.jit
@@ -363,9 +366,9 @@ def gemv_accumulate(
     (programmatic dependent launch): weights are constants, x is that kernel's output.
     F16: products in f16x2 (one fma.rn.f16x2 per two weights) on x scaled per row by a power
     of two, 16-term block sums converted to fp32; the accumulators are the same.
-    EVEN (STAGES only: the register prefetch reads past the slice): every row of the tile is
-    below N and the K_ITERS tiles from kw_begin lie inside K, so the weight loads are not
-    masked."""
+    EVEN: every row of the tile is below N and the K_ITERS tiles from kw_begin lie inside K,
+    so the weight loads are not masked (tiles requested ahead of the slice's end re-read its
+    last tile instead)."""
     zero = tl.zeros((R, BW // 2), dtype=tl.float32)
     accs = (zero, zero, zero, zero)
     xss = (1.0, 1.0, 1.0, 1.0)
@@ -389,22 +392,25 @@ def gemv_accumulate(
             s_next = _load_scales(s_rows, n_mask, tl.minimum(kw + BW, kw_last), KW, BW, EVEN)
             accs = _tile_update(accs, q, s8, x_rows, oks, xss, kw, K, R, BW, MP, DECODE, F16)
         return _unscale_x(accs, xinvs)
+    # with EVEN the tiles requested ahead past the slice re-read its last one instead
+    kw_last = kw_begin + (K_ITERS - 1) * BW if EVEN else kw_begin + (K_ITERS + 1) * BW
     kw0 = kw_begin
-    q, s8 = _load_words(w_rows, s_rows, n_mask, kw0, KW, BW)
-    q1, s81 = _load_words(w_rows, s_rows, n_mask, kw0 + BW, KW, BW)
+    q, s8 = _load_words(w_rows, s_rows, n_mask, kw0, KW, BW, EVEN)
+    q1, s81 = _load_words(w_rows, s_rows, n_mask, tl.minimum(kw0 + BW, kw_last), KW, BW, EVEN)
     if PDL:
         gdc_wait()  # the previous kernel's writes (x, out, workspace) are visible after this
     if F16:
         xss, xinvs = _x_scales(x_rows, oks, kw_begin, K, BW, MP, K_ITERS)
     for _ in range(K_ITERS):
+        kw2 = tl.minimum(kw0 + 2 * BW, kw_last)
         if PREFETCH == 2:
-            q2, s82 = _load_words(w_rows, s_rows, n_mask, kw0 + 2 * BW, KW, BW)
+            q2, s82 = _load_words(w_rows, s_rows, n_mask, kw2, KW, BW, EVEN)
         accs = _tile_update(accs, q, s8, x_rows, oks, xss, kw0, K, R, BW, MP, DECODE, F16)
         if PREFETCH == 2:
             q, s8, q1, s81 = q1, s81, q2, s82
         else:
             q, s8 = q1, s81
-            q1, s81 = _load_words(w_rows, s_rows, n_mask, kw0 + 2 * BW, KW, BW)
+            q1, s81 = _load_words(w_rows, s_rows, n_mask, kw2, KW, BW, EVEN)
         kw0 += BW
     return _unscale_x(accs, xinvs)
 

@@ -97,6 +97,7 @@ def _gemv(mp):
         # 16-wide K tiles divide H: unmasked loads in both launches (EVEN)
         (2, 3, (dict(_gemv(1), BLOCK_K=16, STAGES=2), None), DECODE_BITS, "gemv"),
         (1, 3, (dict(_gemv(1), BLOCK_K=16, STAGES=2, F16=1), None), DECODE_BITS, "gemv"),
+        (3, 3, (dict(_gemv(1), BLOCK_K=16, PREFETCH=2, F16=1), None), DECODE_BITS, "gemv"),
     ],
 )
 def test_fused_matches_reference(weights, m, k, cfgs, decode, kernel):

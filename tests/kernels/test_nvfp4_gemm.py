@@ -197,6 +197,8 @@ GEMV = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=0, num_warps=4, num_stages=1)
         # tiles divide N and K (EVEN: unmasked loads, the scales requested a tile ahead)
         (1, 64, 512, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, STAGES=3)),
         (1, 64, 512, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2, STAGES=3, F16=1)),
+        (2, 64, 512, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=2)),  # EVEN, register prefetch
+        (1, 64, 512, dict(GEMV, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, PREFETCH=2, F16=1)),
     ],
 )
 @pytest.mark.parametrize("decode", [nv.DECODE_ARITH, nv.DECODE_BITS])
