@@ -133,14 +133,24 @@ _E2M1_F16X2_DOT_ASM = tl.constexpr(_f16x2_dot_asm())
 # stay far below its 65504, while none but negligible terms fall into f16 subnormals.
 F16_X_EXP = tl.constexpr(141)  # 2^(F16_X_EXP - E) for max|x| with biased fp32 exponent E
 F16_X_MIN_EXP = tl.constexpr(32)  # rows with max|x| < 2^-95 (zero) keep a finite scale
+X_SCALE_TILES = tl.constexpr(4)  # K tiles of x one load of the x-scale prologue covers
 
 
 @triton.jit
 def _x_scale(x_row, ok, kw_begin, K, BW: tl.constexpr, K_ITERS: tl.constexpr):
-    """(scale, 1/scale), powers of two, for x's values in this program's K slice (F16)."""
-    m = tl.zeros((8 * BW,), dtype=tl.float32)
-    for it in range(K_ITERS):
-        m = tl.maximum(m, tl.abs(_load_x(x_row, ok, kw_begin + it * BW, K, BW)))
+    """(scale, 1/scale), powers of two, for x's values in this program's K slice (F16).
+
+    Unrolled in steps of X_SCALE_TILES tiles so that the loads are in flight together: as a
+    loop of K_ITERS dependent loads this prologue held back a program's first weight requests
+    by K_ITERS L2 round trips (measured: expert_down 7.7 -> 6.9 us, q_b_proj 7.7 -> 7.1 us at
+    one row, where one program covers all of K)."""
+    CH: tl.constexpr = X_SCALE_TILES * 8 * BW
+    end = tl.minimum(K, (kw_begin + K_ITERS * BW) * 8)
+    m = tl.zeros((CH,), dtype=tl.float32)
+    for c in tl.static_range(0, K_ITERS, X_SCALE_TILES):
+        offs = (kw_begin + c * BW) * 8 + tl.arange(0, CH)
+        xv = tl.load(x_row + offs, mask=ok & (offs < end), other=0.0)
+        m = tl.maximum(m, tl.abs(xv.to(tl.float32)))
     e = (tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
     e = tl.maximum(e, F16_X_MIN_EXP)
     scale = ((-e + (F16_X_EXP + 127)) << 23).to(tl.float32, bitcast=True)
