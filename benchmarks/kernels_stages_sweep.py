@@ -14,6 +14,7 @@ fp8_block_gemv table were chosen from, next to the shipped choice, on the full-s
   fp8_moe_rows  block-FP8 MoE GEMV blocks of 2/4 slots, M=4/8/16
   w16      the same MoE GEMV on bf16 weights, 8 of 64 DeepSeek-size experts, M=1
   f16      NVFP4 GEMV (M=1/2/4) and MoE GEMV (M=1/8) with f16x2 products (F16=1)
+  moe_m1_tiles  the one-token NVFP4 MoE on the tiles read_floor.py reads fastest
 Graph-timed like kernels_gemm_moe.py (weights cycled past L2; % of 4.3 TB/s); every candidate's
 output is compared with the shipped kernel's or the torch reference (printed as err).
 
@@ -431,6 +432,42 @@ def moe_nvfp4_f16(ms: tuple[int, ...] = (1, 8)) -> None:
         _moe_sweep("moe_nvfp4_f16", run, cands, m, routes, tws, nbytes)
 
 
+# (gate_up BLOCK_N, DOWN_BLOCK_N, BLOCK_K, num_warps, STAGES): neighbours of the shipped config,
+# the wider tiles (32 words per thread: 3.1 loop instructions per weight in the sm_90a SASS
+# against 3.6) and read_floor.py's fastest read tiles
+MOE_M1_TILES = (
+    (16, 32, 256, 2, 3),
+    (32, 32, 256, 2, 3),
+    (16, 32, 512, 2, 3),
+    (32, 64, 256, 2, 3),
+    (16, 32, 512, 2, 4),
+    (32, 32, 256, 2, 4),
+    (8, 32, 512, 2, 3),
+    (16, 64, 512, 4, 3),
+    (32, 32, 512, 4, 3),
+)
+
+
+def moe_m1_tiles() -> None:
+    """The one-token NVFP4 MoE (F16 GEMV path) on the tiles that read fastest."""
+    e_, h, i, topk = 384, 7168, 2048, 8
+    experts = rand_nvfp4_experts(e_, h, i, "cuda")
+    per_expert = 3 * i * h // 2 + 3 * i * h // 16
+    routes, tws, x, out, nbytes = _moe_inputs(e_, 1, topk, h, per_expert, 20)
+    base = tile_config("moe_gemv", 1, f"{e_}:{2 * i}x{h}")
+    cands = [None] + [
+        dict(base, BLOCK_N=bn, DOWN_BLOCK_N=dbn, BLOCK_K=bk, num_warps=w, STAGES=st)
+        for bn, dbn, bk, w, st in MOE_M1_TILES
+    ]
+
+    def run(r, tw, cfg, x=x, out=out):
+        return moe_mod.fused_moe_nvfp4(
+            x, r, tw, *experts, out=out, gate_up_config=cfg, kernel="gemv"
+        ).clone()
+
+    _moe_sweep("moe_m1_tiles", run, cands, 1, routes, tws, nbytes)
+
+
 def moe_rows_f16(ms: tuple[int, ...] = (4, 8, 16, 32)) -> None:
     """NVFP4 MoE at a few tokens: the dispatcher's choice (the mma.sync GEMV from 5 tokens)
     against the CUDA-core GEMV with F16 products (blocks of 1 and 2 slots)."""
@@ -623,6 +660,7 @@ def ds_absorb() -> None:
 
 
 PARTS = {
+    "moe_m1_tiles": moe_m1_tiles,
     "ds_absorb": ds_absorb,
     "ds_one_token": ds_one_token,
     "ds_moe_down": ds_moe_down,
