@@ -11,7 +11,9 @@ helper into its callers once):
   nodec   the E2M1 decode is one AND per pair instead of ~3 instructions (wrong values)
   both    nox and nodec
 
-Outputs of the ablated variants are meaningless; only the times matter.
+Outputs of the ablated variants are meaningless; only the times matter. The stand-ins follow
+`nvfp4_gemv._tile_dot_f16`'s signature, so this script tracks that helper (results/
+moe_nvfp4_ablation.json was measured at 9db3324, before session 21's loop changes).
 
   PYTHONPATH=$PWD python benchmarks/moe_nvfp4_ablation.py --out-dir DIR
 """
@@ -51,16 +53,19 @@ def _patch(variant: str) -> None:
     const_x = variant in ("nox", "both")
 
     @triton.jit
-    def tile_dot(q0, q1, s, x_row, ok, kw, K, xs, xinv, BW: tl.constexpr, DECODE: tl.constexpr):
+    def tile_dot(q0, q1, s, x_row, ok, kw, K, xs, BW: tl.constexpr, DECODE: tl.constexpr):
         if CONST_X:  # noqa: F821 (set in the globals below)
             p = tl.full((BW // 2,), 0x3C003C00, tl.int32) + (kw & 0)
             a0, a1, a2, a3, b0, b1, b2, b3 = p, p, p, p, p, p, p, p
-        else:
-            xh = (g._load_x(x_row, ok, kw, K, BW) * xs).to(tl.float16)
-            xi = xh.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            xi = tl.permute(tl.reshape(xi, (BW // 2, 2, 2, 4)), (0, 1, 3, 2))
-            lo, hi = tl.split(xi)
-            w0, w1 = tl.split(tl.permute(lo | (hi << 16), (0, 2, 1)))
+        else:  # as nvfp4_gemv._tile_dot_f16 on the GPU
+            xf = g._load_x(x_row, ok, kw, K, BW) * xs
+            xf = tl.permute(tl.reshape(xf, (BW // 2, 2, 2, 4)), (0, 1, 3, 2))
+            lo, hi = tl.split(xf)
+            pairs = tl.inline_asm_elementwise(
+                "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                is_pure=True, pack=1,
+            )  # fmt: skip
+            w0, w1 = tl.split(tl.permute(pairs, (0, 2, 1)))
             a0, a1, a2, a3 = g._split4(w0)
             b0, b1, b2, b3 = g._split4(w1)
         v = tl.inline_asm_elementwise(
@@ -72,7 +77,7 @@ def _patch(variant: str) -> None:
             is_pure=True,
             pack=1,
         )  # fmt: skip
-        return v * (s * xinv)
+        return v * s
 
     tile_dot.fn.__globals__.update(ASM=asm, CONST_X=tl.constexpr(const_x), g=g)
     g._tile_dot_f16 = tile_dot

@@ -5,6 +5,8 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is imported
 
 import logging  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -13,6 +15,8 @@ from moeserve.kernels import nvfp4_format as fmt  # noqa: E402
 from moeserve.kernels import nvfp4_gemm as nv  # noqa: E402
 from moeserve.kernels import splitk  # noqa: E402
 from moeserve.kernels.select import select_kernel  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
 
 # Hand-written E2M1 table (OCP MX spec): code -> value, sign in bit 3.
 E2M1 = {
@@ -342,3 +346,51 @@ def test_pdl_gemv_reads_only_weights_before_its_wait():
     assert before.count("ld.global") >= 2  # weight words and scales of the first tiles
     assert "st.global" not in before and "atom." not in before  # nothing written before it
     assert "ld.global" in after  # x is read after the wait
+
+
+_EVEN_SASS = r"""
+import json, re, sys
+sys.path.insert(0, "benchmarks")
+import sass_loop
+
+def loop(even):
+    k = sass_loop.compile_gate_up(16, 256, 2, 3, even=even)
+    lines = k.asm["sass"].splitlines()
+    label = {m.group(1): i for i, x in enumerate(lines) if (m := re.match(r"^(\w+):", x))}
+    for i, x in enumerate(lines):
+        m = re.search(r"BRA (\w+)", x)
+        if m and label.get(m.group(1), i) < i:
+            return lines[label[m.group(1)] + 1 : i + 1]
+    return []
+
+print(json.dumps({"even": loop(True), "masked": loop(False)}))
+"""
+
+
+def test_even_tiles_load_without_masks():
+    """Compiled for sm_90 on the CPU (benchmarks/sass_loop.py): the one-token MoE GEMV's K
+    loop predicates its weight and scale loads when the tiles may overrun the weight, and with
+    EVEN (tiles divide it) issues them unpredicated, in fewer instructions."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _EVEN_SASS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loops = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def predicated_loads(lines):
+        return [x for x in lines if re.search(r"@!?P\d+\s+(LDG|LDGSTS)", x)]
+
+    assert loops["masked"] and loops["even"]
+    assert predicated_loads(loops["masked"])
+    assert not predicated_loads(loops["even"])
+    assert len(loops["even"]) < len(loops["masked"])
