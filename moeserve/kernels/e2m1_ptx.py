@@ -12,9 +12,10 @@ the signs and a select merges them with the magnitudes of the word itself: with 
 d), the select (q & S) | (t & ~S) holds every code whose magnitude bits S keeps next to its
 sign d bits higher. The moved sign of code j would land on the magnitude of code j + 1 (f16)
 or j + 2 (bf16), so two selects are needed, each holding 4 codes (f16: the even and the odd
-ones; bf16: 0, 1, 4, 5 and 2, 3, 6, 7). Each pair is then one rotation of its select and one
+ones; bf16: 0, 1, 4, 5 and 2, 3, 6, 7). Each pair is then one shift of its select and one
 AND: 1 + 2 + 4 * 2 = 11 instructions per word (the sequences before took 12 for f16 and 16
-for bf16). The rotation wraps, so code 7's sign (bit 31) survives where a shift would lose it.
+for bf16). A shift that must deliver wrapped bits (code 7's sign at bit 31, in bf16 code 6's
+too) is a rotation; the others are plain left shifts (see _rotate).
 
 `decode_pairs_ptx` writes the lines; `run_ptx` executes those lines on Python integers so a
 CPU test can check the very text the kernels compile against the E2M1 table.
