@@ -190,14 +190,31 @@ def _moe_sweep(kind: str, run, cands: list, m: int, routes, tws, nbytes: float) 
         log(f"{kind} M={m} {t['us']:7.1f} us {p:5.1f}% err {err:.1e} {cfg or 'BASE'}")
 
 
-def moe_nvfp4(ms: tuple[int, ...] = (1, 8)) -> None:
-    e_, h, i, topk = 384, 7168, 2048, 8
+KIMI_MOE = (384, 7168, 2048, 8)  # experts, hidden, expert intermediate, top-k
+
+
+def _kimi_moe_gemv_sweep(kind: str, ms: tuple[int, ...], cands_for) -> None:
+    """fused_moe_nvfp4's CUDA-core GEMV path on Kimi-K2.5's MoE (random experts) at each token
+    count m, over the configs cands_for(m, tiles.json's config for m) (None = the shipped)."""
+    e_, h, i, topk = KIMI_MOE
     experts = rand_nvfp4_experts(e_, h, i, "cuda")
     per_expert = 3 * i * h // 2 + 3 * i * h // 16
     for m in ms:
         routes, tws, x, out, nbytes = _moe_inputs(e_, m, topk, h, per_expert, 20)
+        base = tile_config("moe_gemv", m, f"{e_}:{2 * i}x{h}")
+
+        def run(r, tw, cfg, x=x, out=out):
+            return moe_mod.fused_moe_nvfp4(
+                x, r, tw, *experts, out=out, gate_up_config=cfg, kernel="gemv"
+            ).clone()
+
+        _moe_sweep(kind, run, cands_for(m, base), m, routes, tws, nbytes)
+
+
+def moe_nvfp4(ms: tuple[int, ...] = (1, 8)) -> None:
+    def cands(m: int, base: dict) -> list:
         mp = 1 if m == 1 else 2
-        cands = [None] + [
+        return [None] + [
             dict(
                 MP=mp,
                 BLOCK_N=bn,
@@ -221,12 +238,7 @@ def moe_nvfp4(ms: tuple[int, ...] = (1, 8)) -> None:
             )
         ]
 
-        def run(r, tw, cfg, x=x, out=out):
-            return moe_mod.fused_moe_nvfp4(
-                x, r, tw, *experts, out=out, gate_up_config=cfg, kernel="gemv"
-            ).clone()
-
-        _moe_sweep("moe_nvfp4", run, cands, m, routes, tws, nbytes)
+    _kimi_moe_gemv_sweep("moe_nvfp4", ms, cands)
 
 
 def moe_fp8(ms: tuple[int, ...] = (1,)) -> None:
@@ -412,24 +424,13 @@ def f16() -> None:
 
 
 def moe_nvfp4_f16(ms: tuple[int, ...] = (1, 8)) -> None:
-    e_, h, i, topk = 384, 7168, 2048, 8
-    experts = rand_nvfp4_experts(e_, h, i, "cuda")
-    per_expert = 3 * i * h // 2 + 3 * i * h // 16
-    key = f"{e_}:{2 * i}x{h}"
-    for m in ms:
-        routes, tws, x, out, nbytes = _moe_inputs(e_, m, topk, h, per_expert, 20)
-        base = tile_config("moe_gemv", m, key)
-        cands = [None, dict(base, F16=1)] + [
+    def cands(m: int, base: dict) -> list:
+        return [None, dict(base, F16=1)] + [
             dict(base, F16=1, STAGES=st, BLOCK_N=bn, DOWN_BLOCK_N=dbn, num_warps=w)
             for bn, dbn, w, st in ((16, 16, 2, 3), (16, 32, 2, 4), (32, 32, 4, 3), (16, 16, 4, 0))
         ]
 
-        def run(r, tw, cfg, x=x, out=out):
-            return moe_mod.fused_moe_nvfp4(
-                x, r, tw, *experts, out=out, gate_up_config=cfg, kernel="gemv"
-            ).clone()
-
-        _moe_sweep("moe_nvfp4_f16", run, cands, m, routes, tws, nbytes)
+    _kimi_moe_gemv_sweep("moe_nvfp4_f16", ms, cands)
 
 
 # (gate_up BLOCK_N, DOWN_BLOCK_N, BLOCK_K, num_warps, STAGES): neighbours of the shipped config,
@@ -450,22 +451,14 @@ MOE_M1_TILES = (
 
 def moe_m1_tiles() -> None:
     """The one-token NVFP4 MoE (F16 GEMV path) on the tiles that read fastest."""
-    e_, h, i, topk = 384, 7168, 2048, 8
-    experts = rand_nvfp4_experts(e_, h, i, "cuda")
-    per_expert = 3 * i * h // 2 + 3 * i * h // 16
-    routes, tws, x, out, nbytes = _moe_inputs(e_, 1, topk, h, per_expert, 20)
-    base = tile_config("moe_gemv", 1, f"{e_}:{2 * i}x{h}")
-    cands = [None] + [
-        dict(base, BLOCK_N=bn, DOWN_BLOCK_N=dbn, BLOCK_K=bk, num_warps=w, STAGES=st)
-        for bn, dbn, bk, w, st in MOE_M1_TILES
-    ]
 
-    def run(r, tw, cfg, x=x, out=out):
-        return moe_mod.fused_moe_nvfp4(
-            x, r, tw, *experts, out=out, gate_up_config=cfg, kernel="gemv"
-        ).clone()
+    def cands(m: int, base: dict) -> list:
+        return [None] + [
+            dict(base, BLOCK_N=bn, DOWN_BLOCK_N=dbn, BLOCK_K=bk, num_warps=w, STAGES=st)
+            for bn, dbn, bk, w, st in MOE_M1_TILES
+        ]
 
-    _moe_sweep("moe_m1_tiles", run, cands, 1, routes, tws, nbytes)
+    _kimi_moe_gemv_sweep("moe_m1_tiles", (1,), cands)
 
 
 def moe_rows_f16(ms: tuple[int, ...] = (4, 8, 16, 32)) -> None:

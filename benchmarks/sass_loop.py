@@ -48,23 +48,26 @@ def compile_gate_up(block_n: int, block_k: int, warps: int, stages: int, even: b
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def loop_ops(sass: str) -> collections.Counter:
-    """Opcode counts of the longest loop (a label and a later branch back to it)."""
+def loop_lines(sass: str) -> list[str]:
+    """The SASS lines of the longest loop: from after a label to the branch back to it."""
     lines = sass.splitlines()
     label_at = {m.group(1): i for i, x in enumerate(lines) if (m := re.match(r"^(\w+):", x))}
-    best: collections.Counter = collections.Counter()
+    best: list[str] = []
     for i, x in enumerate(lines):
         m = re.search(r"BRA (\w+)", x)
-        if not m or label_at.get(m.group(1), i) >= i:
-            continue
-        ops = collections.Counter()
-        for y in lines[label_at[m.group(1)] + 1 : i + 1]:
-            op = re.match(r"\S+\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", y.strip())
-            if op:
-                ops[op.group(1)] += 1
-        if sum(ops.values()) > sum(best.values()):
-            best = ops
+        if m and label_at.get(m.group(1), i) < i and i - label_at[m.group(1)] > len(best):
+            best = lines[label_at[m.group(1)] + 1 : i + 1]
     return best
+
+
+def loop_ops(sass: str) -> collections.Counter:
+    """Opcode counts of the longest loop."""
+    ops: collections.Counter = collections.Counter()
+    for y in loop_lines(sass):
+        op = re.match(r"\S+\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", y.strip())
+        if op:
+            ops[op.group(1)] += 1
+    return ops
 
 
 def registers(kernel) -> int:

@@ -349,19 +349,12 @@ def test_pdl_gemv_reads_only_weights_before_its_wait():
 
 
 _EVEN_SASS = r"""
-import json, re, sys
+import json, sys
 sys.path.insert(0, "benchmarks")
 import sass_loop
 
 def loop(even):
-    k = sass_loop.compile_gate_up(16, 256, 2, 3, even=even)
-    lines = k.asm["sass"].splitlines()
-    label = {m.group(1): i for i, x in enumerate(lines) if (m := re.match(r"^(\w+):", x))}
-    for i, x in enumerate(lines):
-        m = re.search(r"BRA (\w+)", x)
-        if m and label.get(m.group(1), i) < i:
-            return lines[label[m.group(1)] + 1 : i + 1]
-    return []
+    return sass_loop.loop_lines(sass_loop.compile_gate_up(16, 256, 2, 3, even=even).asm["sass"])
 
 print(json.dumps({"even": loop(True), "masked": loop(False)}))
 """
