@@ -2,11 +2,12 @@
 
 Decode: single-stream tok/s (128 greedy tokens, EOS ignored, prefill excluded) and throughput
 at concurrency 8, for moeserve's configurations and HF transformers (fp32, bf16).
-Prefill: tok/s of one prompt of 512 / 2k / 4k / 8k tokens (moeserve default config with its
-chunked prefill, prefix cache off; HF bf16 forward with logits_to_keep=1 as generate() does),
-interleaved, best of the repeats. Deterministic mode: decode at concurrency 16 with the
-batch-invariant attention on and off, and whether 16 batched greedy requests equal their solo
-runs. Writes benchmarks/results/cpu_decode.json and .md.
+Prefill: tok/s of one prompt of 512 / 2k / 4k / 8k tokens (moeserve's default with the native
+CPU kernels and with torch's, chunked prefill, prefix cache off; HF bf16 forward with
+logits_to_keep=1 as generate() does), interleaved, best of the repeats. Batch invariance:
+decode at concurrency 16 and whether 16 batched greedy requests equal their solo runs, for
+the default (native kernels) and torch's kernels with and without --deterministic.
+Writes benchmarks/results/cpu_decode.json and .md.
 
     python3 benchmarks/cpu_decode.py [--tokens 128] [--skip-hf] [--skip-decode]
         [--prefill-lengths 512,2048,4096,8192]
@@ -136,30 +137,45 @@ def _random_ids(n: int, seed: int) -> list[int]:
 
 
 def bench_prefill(lengths: list[int], repeats: int, with_hf: bool) -> list[dict]:
-    """Prefill tok/s per prompt length, moeserve (default config) and HF bf16, interleaved."""
+    """Prefill tok/s per prompt length: moeserve's default (native CPU kernels), the same with
+    torch's CPU kernels, and HF bf16, interleaved."""
     from moeserve.engine.engine import LLM
     from moeserve.sampling import SamplingParams
 
-    llm = LLM(None, max_model_len=max(lengths) + 16, enable_prefix_caching=False)
+    engines = {
+        kernels: LLM(
+            None, max_model_len=max(lengths) + 16, enable_prefix_caching=False, cpu_kernels=kernels
+        )
+        for kernels in ("native", "torch")
+    }
     hf = _hf_model(torch.bfloat16) if with_hf else None
     one = SamplingParams(max_tokens=1, temperature=0)
-    llm.generate([_random_ids(64, 0)], one)  # warm-up
+    for llm in engines.values():
+        llm.generate([_random_ids(64, 0)], one)  # warm-up
     rows = []
     for n in lengths:
-        ours, theirs = [], []
+        runs: dict[str, list[float]] = {k: [] for k in (*engines, "hf")}
         for r in range(repeats):
             ids = _random_ids(n, 1 + r)
-            t = time.perf_counter()
-            llm.generate([ids], one)
-            ours.append(n / (time.perf_counter() - t))
+            for kernels, llm in engines.items():
+                t = time.perf_counter()
+                llm.generate([ids], one)
+                runs[kernels].append(n / (time.perf_counter() - t))
             if hf is not None:
                 with torch.inference_mode():
                     t = time.perf_counter()
                     hf(torch.tensor([ids]), logits_to_keep=1)
-                    theirs.append(n / (time.perf_counter() - t))
-        row = {"tokens": n, "moeserve_tok_s": max(ours), "moeserve_runs": ours}
-        if theirs:
-            row.update(hf_bf16_tok_s=max(theirs), hf_runs=theirs)
+                    runs["hf"].append(n / (time.perf_counter() - t))
+        row = {
+            "tokens": n,
+            "moeserve_tok_s": max(runs["native"]),
+            "moeserve_runs": runs["native"],
+            "torch_kernels_tok_s": max(runs["torch"]),
+            "torch_kernels_runs": runs["torch"],
+        }
+        row["native_vs_torch"] = row["moeserve_tok_s"] / row["torch_kernels_tok_s"]
+        if runs["hf"]:
+            row.update(hf_bf16_tok_s=max(runs["hf"]), hf_runs=runs["hf"])
             row["ratio"] = row["moeserve_tok_s"] / row["hf_bf16_tok_s"]
         print("prefill", row, flush=True)
         rows.append(row)
@@ -167,41 +183,46 @@ def bench_prefill(lengths: list[int], repeats: int, with_hf: bool) -> list[dict]
 
 
 def bench_deterministic(n_tokens: int, repeats: int) -> dict:
-    """Decode tok/s at concurrency 16, batch-invariant attention on vs off, and solo-vs-batch
-    equality of 16 greedy requests in each mode (default dtype)."""
+    """Decode tok/s at concurrency 16 and how many of 16 batched greedy requests differ from
+    their solo runs (which hit the prefix cache the batch filled): the default (native CPU
+    kernels, batch-invariant by construction), torch's kernels with --deterministic (their
+    batch-invariant attention) and without."""
     from moeserve.engine.engine import LLM
     from moeserve.loader import set_batch_invariant
     from moeserve.sampling import SamplingParams
 
-    llm = LLM(None, max_model_len=2048, max_num_seqs=16)
-    prompts = [f"{p} (part {i})" for i, p in enumerate(PROMPTS * 2)]
-    ids = [_chat_ids(llm.tokenizer, p) for p in prompts]
-    params = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
-    model = llm.engine.loaded.model
-    rates: dict[bool, list[float]] = {True: [], False: []}
-    batched: dict[bool, list[list[int]]] = {}
-    for _ in range(repeats):
-        for on in (True, False):
-            set_batch_invariant(model, on)
-            t = time.perf_counter()
-            batched[on] = [c.token_ids for c in llm.generate(ids, params)]
-            rates[on].append(len(ids) * n_tokens / (time.perf_counter() - t))
-    differ = {}
-    for on in (True, False):
-        set_batch_invariant(model, on)
-        solo = [llm.generate([i], params)[0].token_ids for i in ids]
-        differ[on] = sum(a != b for a, b in zip(solo, batched[on], strict=True))
-    on, off = statistics.median(rates[True]), statistics.median(rates[False])
-    out = {
-        "concurrency": len(ids),
-        "tokens": n_tokens,
-        "deterministic_tok_s": on,
-        "default_batched_tok_s": off,
-        "cost_pct": 100 * (off - on) / off,
-        "differ_from_solo_deterministic": differ[True],
-        "differ_from_solo_batched": differ[False],
+    engines = {
+        kernels: LLM(None, max_model_len=2048, max_num_seqs=16, cpu_kernels=kernels)
+        for kernels in ("native", "torch")
     }
-    print("deterministic", out, flush=True)
+    prompts = [f"{p} (part {i})" for i, p in enumerate(PROMPTS * 2)]
+    ids = [_chat_ids(engines["native"].tokenizer, p) for p in prompts]
+    params = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
+    modes = {  # label: (engine, batch-invariant attention on torch's kernels)
+        "native": ("native", False),
+        "torch --deterministic": ("torch", True),
+        "torch": ("torch", False),
+    }
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    batched: dict[str, list[list[int]]] = {}
+    for _ in range(repeats):
+        for mode, (kernels, invariant) in modes.items():
+            llm = engines[kernels]
+            set_batch_invariant(llm.engine.loaded.model, invariant)
+            t = time.perf_counter()
+            batched[mode] = [c.token_ids for c in llm.generate(ids, params)]
+            rates[mode].append(len(ids) * n_tokens / (time.perf_counter() - t))
+    out: dict = {"concurrency": len(ids), "tokens": n_tokens, "modes": {}}
+    for mode, (kernels, invariant) in modes.items():
+        llm = engines[kernels]
+        set_batch_invariant(llm.engine.loaded.model, invariant)
+        solo = [llm.generate([i], params)[0].token_ids for i in ids]
+        out["modes"][mode] = {
+            "tok_s": statistics.median(rates[mode]),
+            "runs": rates[mode],
+            "differ_from_solo": sum(a != b for a, b in zip(solo, batched[mode], strict=True)),
+        }
+    print("batch invariance", out, flush=True)
     return out
 
 
@@ -263,6 +284,7 @@ def main() -> None:
     configs = {
         "fp32": dict(dtype="float32", quantization="none"),
         "bf16+int8": dict(dtype="bfloat16", quantization="int8"),
+        "bf16+int4, torch kernels": dict(dtype="auto", quantization="auto", cpu_kernels="torch"),
         "bf16+int4 (default)": dict(dtype="auto", quantization="auto"),
     }
     for label, kw in configs.items():
@@ -310,35 +332,37 @@ def _write(args: argparse.Namespace, rows: list[dict], prefill: list[dict], det:
         )
     lines += [
         "",
-        "## Prefill (one prompt, default config: bf16 + int4, chunked at 2,048 tokens)",
+        "## Prefill (one prompt, default config: bf16 + int4, chunked prefill)",
         "",
-        "Best of the repeats, moeserve and HF interleaved on the same cores. Target: >= 2x HF "
-        "bf16 at 4k.",
+        "Best of the repeats; moeserve (native CPU kernels, the default), moeserve with torch's "
+        "CPU kernels and HF interleaved on the same cores. Targets: native >= 0.95x torch's "
+        "kernels; >= 2x HF bf16 at 4k.",
         "",
-        "| prompt tokens | moeserve tok/s | HF bf16 tok/s | x HF |",
-        "|---|---|---|---|",
+        "| prompt tokens | moeserve tok/s | torch kernels tok/s | native / torch | HF bf16 tok/s "
+        "| x HF |",
+        "|---|---|---|---|---|---|",
     ]
     for r in prefill:
-        hf = r.get("hf_bf16_tok_s")
-        ratio = f"{r['ratio']:.2f}" if hf else "-"
+        hf = f"{r['hf_bf16_tok_s']:.0f}" if "hf_bf16_tok_s" in r else "-"
+        ratio = f"{r['ratio']:.2f}" if "ratio" in r else "-"
         lines.append(
-            f"| {r['tokens']} | {r['moeserve_tok_s']:.0f} | {hf:.0f} | {ratio} |"
-            if hf
-            else f"| {r['tokens']} | {r['moeserve_tok_s']:.0f} | - | - |"
+            f"| {r['tokens']} | {r['moeserve_tok_s']:.0f} | {r['torch_kernels_tok_s']:.0f} | "
+            f"{r['native_vs_torch']:.2f} | {hf} | {ratio} |"
         )
     if det:
         lines += [
             "",
-            "## Deterministic mode (batch-invariant attention)",
+            "## Batch invariance",
             "",
             f"{det['concurrency']} concurrent greedy requests, {det['tokens']} tokens each, "
-            "default dtype: decode "
-            f"{det['deterministic_tok_s']:.1f} tok/s deterministic vs "
-            f"{det['default_batched_tok_s']:.1f} tok/s padded-batch attention (cost "
-            f"{det['cost_pct']:.1f}%); requests whose batched tokens differ from their solo run: "
-            f"{det['differ_from_solo_deterministic']} deterministic, "
-            f"{det['differ_from_solo_batched']} without.",
+            "default dtype; each then run alone (its prompt's pages from the prefix cache).",
+            "",
+            "| kernels | decode tok/s at concurrency 16 | batched requests that differ from "
+            "their solo run |",
+            "|---|---|---|",
         ]
+        for mode, m in det["modes"].items():
+            lines.append(f"| {mode} | {m['tok_s']:.1f} | {m['differ_from_solo']} |")
     (RESULTS / "cpu_decode.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

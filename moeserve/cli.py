@@ -130,7 +130,10 @@ def _banner(engine, name: str, seconds: float) -> str:
         f"{e.max_model_len} tokens{graphs}; {seconds:.1f}s (torch threads {_torch_threads()})"
     )
     memory = format_memory_table(r.memory, e.max_model_len, "moeserve: memory (rank 0)")
-    return "\n".join([head, memory, "moeserve: kernels", *_kernel_lines(e)])
+    kernels = _kernel_lines(e)
+    if e.loaded.cpu_kernels:
+        kernels.insert(0, f"  {e.loaded.cpu_kernels}")
+    return "\n".join([head, memory, "moeserve: kernels", *kernels])
 
 
 def _kernel_lines(e) -> list[str]:
@@ -149,6 +152,7 @@ def _kernel_lines(e) -> list[str]:
         e.loaded.kv_cache_dtype,
         None,
         enforce_eager=e.config.enforce_eager,
+        cpu_native=e.loaded.cpu_native,
     )
     return [c.line() for c in choices]
 

@@ -446,11 +446,18 @@ class LoadConfig(_Settings):
         "core than they lose to the front end (default: the rank's share of all cores)",
         minimum=1,
     )
+    cpu_kernels: str = setting(
+        "auto",
+        "CPU kernels: native (compiled for this CPU at first use; every logit independent of "
+        "how its sequence is split into steps or batched), torch, or auto (native where they "
+        "build and activations are bf16)",
+        choices=("auto", "native", "torch"),
+    )
     deterministic: bool = setting(
         False,
-        "batch-invariant attention (Llama path): a greedy request gives the same tokens alone, "
-        "batched, chunked or after a prefix-cache hit; costs decode and prefill speed (see "
-        "benchmarks/results/cpu_decode.md)",
+        "batch-invariant results where the default kernels are not (the native CPU kernels "
+        "always are): on CPUs with torch's kernels, batch-invariant attention at a cost in "
+        "speed (see benchmarks/results/cpu_decode.md)",
     )
 
 

@@ -178,6 +178,34 @@ def _mla_decode_choice(
     )
 
 
+def _cpu_native_choices(model_cfg: ModelConfig, kv_cache_dtype: torch.dtype) -> list[KernelChoice]:
+    """What the native CPU kernels (moeserve/kernels/cpu) serve; one order of arithmetic per
+    output element, so no line names a batch-size-dependent choice."""
+    why = "one arithmetic order per output element, whatever the rows in the step"
+    out = [
+        KernelChoice("linears", "native CPU GEMM (bf16 dot products)", why),
+        KernelChoice(
+            "attention",
+            "native CPU paged attention",
+            "absorbed MLA for every row" if model_cfg.is_mla else "GQA over the paged cache",
+        ),
+    ]
+    if model_cfg.n_routed_experts:
+        out.append(
+            KernelChoice("routed experts", "per-expert loop, native GEMMs", "dequantized per call")
+        )
+    ok = kv_cache_dtype == torch.bfloat16
+    out.append(
+        KernelChoice(
+            "KV cache",
+            str(kv_cache_dtype)[6:],
+            "what the native attention reads" if ok else "torch attention serves this cache",
+            fallback=not ok,
+        )
+    )
+    return out
+
+
 def kernel_choices(
     model_cfg: ModelConfig,
     quant: QuantConfig | None,
@@ -191,13 +219,18 @@ def kernel_choices(
     enforce_eager: bool = False,
     page_size: int = 16,
     mla_decode_kernel: str = "auto",
+    cpu_native: bool = False,
 ) -> list[KernelChoice]:
     """The implementation of each part of the model on a device of `capability` (None: CPU),
     with the reason for each, fallbacks flagged. `kv_cache_dtype`: the cache dtype asked for
     (before the hardware's fallback); `interconnect`: how the GPUs of one host reach each
     other; `all_reduce`: the --all-reduce setting; `page_size` / `mla_decode_kernel`: the
-    --page-size and --mla-decode-kernel settings."""
+    --page-size and --mla-decode-kernel settings; `cpu_native`: the native CPU kernels serve
+    (CPU only)."""
     from moeserve.kernels.select import BLACKWELL_CAPABILITY, select_kernel
+
+    if capability is None and cpu_native:
+        return _cpu_native_choices(model_cfg, kv_cache_dtype)
 
     quant = quant or NoQuant()
     fmt, w4a4 = _quant_formats(quant)

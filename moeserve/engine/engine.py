@@ -581,6 +581,7 @@ def build_rank(cfg: EngineConfig, tp: TPGroup, device: str) -> ModelRunner:
         tp=tp,
         seed=cfg.load.seed,
         deterministic=cfg.load.deterministic,
+        cpu_kernels=cfg.load.cpu_kernels,
     )
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)

@@ -54,9 +54,26 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.method is not None:
             self.method.process_weights_after_loading(self)
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def use_native_cpu(self) -> bool:
+        """fp32 logits by the native kernels: a weight-only method packed itself at load; a
+        plain bf16 head gets a packed copy (a tied embedding keeps its rows for lookups)."""
+        from moeserve.kernels import cpu as cpu_kernels
+
         if self.method is not None:
-            logits = self.method.apply(self, h).float()
+            return getattr(self, "native_weight", None) is not None
+        if self.weight.dtype != torch.bfloat16 or self.weight.shape[1] % 2:
+            return False
+        self.native_weight = cpu_kernels.pack_bf16(self.weight.data)
+        return True
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's methods (lm_head_method) take an output dtype: fp32 logits."""
+        if self.method is not None:
+            logits = self.method.apply(self, h, out_dtype=torch.float32)
+        elif getattr(self, "native_weight", None) is not None:
+            from moeserve.kernels import cpu as cpu_kernels
+
+            logits = cpu_kernels.linear(h, self.native_weight, torch.float32)
         else:
             logits = F.linear(h, self.weight).float()
         logits = self.tp.all_gather(logits, dim=-1)

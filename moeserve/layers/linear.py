@@ -112,6 +112,9 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
 
+    def use_native_cpu(self) -> bool:
+        return self.method.use_native_cpu(self)
+
     def prepare_cuda_graph(self, max_tokens: int, max_context: int, shared: dict) -> None:
         self.method.prepare_cuda_graph(self, max_tokens, shared)
 

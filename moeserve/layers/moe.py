@@ -35,6 +35,7 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.dist.parallel import SINGLE, TPGroup
+from moeserve.kernels import cpu as cpu_kernels
 from moeserve.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -77,8 +78,13 @@ def select_experts(
     topk_group: int = 1,
     norm_topk_prob: bool = True,
     routed_scaling_factor: float = 1.0,
+    native: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64).
+
+    Every token's result depends on its own logits only (`native`: the sigmoid by the native
+    CPU kernel, whose result does not depend on where an element sits in the tensor; the
+    renormalising sums run over the k columns in order).
 
     noaux_tc (DeepSeek-V3, Kimi): choose on sigmoid scores + correction bias, limited to the
     `topk_group` groups whose best-2 biased scores sum highest; weigh by the *unbiased*
@@ -89,7 +95,7 @@ def select_experts(
     """
     logits = logits.float()
     if scoring_func == "sigmoid":
-        scores = logits.sigmoid()
+        scores = cpu_kernels.sigmoid_(logits.clone()) if native else logits.sigmoid()
     elif scoring_func == "softmax":
         scores = logits.softmax(dim=-1)
     else:
@@ -110,13 +116,21 @@ def select_experts(
     weights = scores.gather(1, ids)
     if topk_method == "noaux_tc":
         if norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            weights = weights / (_row_sums(weights) + 1e-20)
         weights = weights * routed_scaling_factor
     elif top_k > 1 and norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights / (_row_sums(weights) + 1e-20)
     else:
         weights = weights * routed_scaling_factor
     return weights, ids
+
+
+def _row_sums(w: torch.Tensor) -> torch.Tensor:
+    """[T, k] -> [T, 1]: the columns added left to right (a fixed order for every row)."""
+    total = w[:, :1]
+    for j in range(1, w.shape[1]):
+        total = total + w[:, j : j + 1]
+    return total
 
 
 def append_shared_slots(
@@ -183,11 +197,22 @@ class DeepseekMLP(nn.Module):
             reduce_results=reduce_output,
             **kw,
         )
+        self.native = False  # SiLU * up by the native CPU kernel (use_native_cpu)
+
+    def use_native_cpu(self) -> bool:
+        self.native = True
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = self.native and x.dtype == torch.bfloat16
         if self.gate_up_proj is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            if native:
+                return self.down_proj(cpu_kernels.silu_mul(gate, up))
+            return self.down_proj(F.silu(gate) * up)
         gu = self.gate_up_proj(x)
+        if native:
+            return self.down_proj(cpu_kernels.silu_mul(gu))
         if gu.is_cuda and gu.dim() == 2 and gpu_kernels_enabled(gu.device):
             from moeserve.kernels.activation import silu_mul
 
@@ -391,6 +416,15 @@ class RoutedExperts(nn.Module):
         self._hidden = hidden
         # the fused kernels' one-token combine counters (zeroed; the kernel re-zeroes them)
         self._combine_counters: torch.Tensor | None = None
+        self.native = False  # the expert loop through the native CPU kernels
+
+    def use_native_cpu(self) -> bool:
+        """Each expert's weights are dequantized and packed per call (the model holds no dense
+        copy of itself)."""
+        if self._hidden % 2 or self.w13.local_out % 2:
+            return False
+        self.native = True
+        return True
 
     def process_weights_after_loading(self) -> None:
         """Choose the GPU kernel once: the fused NVFP4 MoE (`_nvfp4_args`) or the fused
@@ -524,14 +558,21 @@ class RoutedExperts(nn.Module):
             )
         out = torch.zeros_like(x) if add_to is None else add_to.clone()
         inter = self.w13.local_out
+        native = self.native and x.dtype == torch.bfloat16
+        # experts in id order: each token's contributions are added in one fixed order
         for e in torch.unique(local).tolist():
             if not 0 <= e < self.layout.num_slots:
                 continue
             tok, slot = torch.where(local == e)
             xe = x[tok]
-            gu = xe @ self.w13.dense(e, x.dtype).t()
-            h = F.silu(gu[:, :inter]) * gu[:, inter:]
-            y = h @ self.w2.dense(e, x.dtype).t()
+            if native:
+                gu = cpu_kernels.linear(xe, cpu_kernels.pack_bf16(self.w13.dense(e, x.dtype)))
+                h = cpu_kernels.silu_mul(gu)
+                y = cpu_kernels.linear(h, cpu_kernels.pack_bf16(self.w2.dense(e, x.dtype)))
+            else:
+                gu = xe @ self.w13.dense(e, x.dtype).t()
+                h = F.silu(gu[:, :inter]) * gu[:, inter:]
+                y = h @ self.w2.dense(e, x.dtype).t()
             out.index_add_(0, tok, y * weights[tok, slot, None].to(x.dtype))
         return out
 
@@ -554,6 +595,14 @@ class Router(nn.Module):
         self._fp32_out = False
         # the one-launch gate GEMV + routing's scratch (GPU, where its kernel applies)
         self.fused_workspace = None
+        self.native_weight = None  # the gate packed for the native CPU kernels
+
+    def use_native_cpu(self) -> bool:
+        """fp32 logits from bf16 x and gate (products exact, one summation order)."""
+        if self.weight.dtype != torch.bfloat16 or self.weight.shape[1] % 2:
+            return False
+        self.native_weight = cpu_kernels.pack_bf16(self.weight.data)
+        return True
 
     def process_weights_after_loading(self) -> None:
         """Whether this torch has the bf16 GEMM with fp32 output (mm.dtype, CUDA only), and
@@ -582,6 +631,8 @@ class Router(nn.Module):
                 log.info("router: no bf16 GEMM with fp32 output in this torch; fp32 matmul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_weight is not None and x.dtype == torch.bfloat16:
+            return cpu_kernels.linear(x, self.native_weight, torch.float32)
         if self._fp32_out and x.dtype == torch.bfloat16:
             return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
         return F.linear(x.float(), self.weight.float())
@@ -727,7 +778,10 @@ class DeepseekMoE(nn.Module):
             from moeserve.kernels.router import route
 
             return route(logits, bias, c.num_experts_per_tok, shared_slots=slots, **kw)
-        weights, ids = select_experts(logits, c.num_experts_per_tok, correction_bias=bias, **kw)
+        native = self.gate.native_weight is not None
+        weights, ids = select_experts(
+            logits, c.num_experts_per_tok, correction_bias=bias, native=native, **kw
+        )
         if slots:
             return append_shared_slots(weights, ids, c.n_routed_experts, slots)
         return weights, ids

@@ -25,3 +25,5 @@ class LoadedModel:
     description: str  # one line for the start-up banner: format, quantization, dtype
     quant: Any = None  # the checkpoint's QuantConfig (None: unquantized or GGUF)
     load_seconds: float = 0.0  # building the model and reading (or generating) its weights
+    cpu_native: bool = False  # the native CPU kernels serve (moeserve.kernels.cpu)
+    cpu_kernels: str = ""  # CPU: one line saying which kernels serve (banner), "" elsewhere

@@ -138,6 +138,7 @@ def load_gguf_model(
     num_layers: int | None = None,
     load_format: str = "auto",
     kv_cache_dtype: str = "auto",
+    native: bool = False,
 ) -> LoadedModel:
     """Build the model of a GGUF file (llama or deepseek2) and load its weights.
 
@@ -171,12 +172,18 @@ def load_gguf_model(
         return _load_deepseek2(f, dtype, device, quantize, tp, num_layers, kv_cache_dtype)
     if tp.size > 1:
         raise LoadError("tensor parallelism over a llama GGUF file is not supported")
-    return _load_llama(f, dtype, device, quantize, num_layers)
+    return _load_llama(f, dtype, device, quantize, num_layers, native)
 
 
 def _load_llama(
-    f: _GGUFFile, dtype: torch.dtype, device: str, quantize: str, num_layers: int | None
+    f: _GGUFFile,
+    dtype: torch.dtype,
+    device: str,
+    quantize: str,
+    num_layers: int | None,
+    native: bool,
 ) -> LoadedModel:
+    """`native`: the native CPU kernels serve (weights packed for them, a bf16 cache)."""
     from moeserve.layers.quant.cpu import cpu_quant_config
     from moeserve.models.registry import model_class
 
@@ -187,12 +194,12 @@ def _load_llama(
     if num_layers is not None:
         cfg = cfg.with_layers(num_layers)
     cfg = _with_special_ids(cfg, f.tokenizer)
-    quant = cpu_quant_config(_resolve_quantization(quantize, f.reader, dtype, device))
+    quant = cpu_quant_config(_resolve_quantization(quantize, f.reader, dtype, device), native)
     model = model_class(cfg.architecture)(cfg, quant=quant, dtype=dtype)
     model.load_weights(iter_llama_weights(f.reader, cfg))
     model.to(device)
-    # CPU: an fp32 cache (attention over it is faster in fp32 than bf16 on CPUs; small models)
-    kv_dtype = torch.float32 if device == "cpu" else dtype
+    # CPU: the native attention reads bf16 (what k and v are); torch's is faster over fp32
+    kv_dtype = torch.float32 if device == "cpu" and not native else dtype
     return LoadedModel(model, f.tokenizer, cfg, kv_dtype, f.describe(f"weights {quant.name}"))
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.dist.parallel import SINGLE, TPGroup
+from moeserve.kernels import cpu as cpu_kernels
 from moeserve.layers.attention.metadata import ForwardContext
 from moeserve.layers.attention.mha import PagedAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -82,9 +83,17 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size, [i, i], prefix=f"{prefix}.gate_up_proj", **kw
         )
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, prefix=f"{prefix}.down_proj", **kw)
+        self.native = False  # SiLU * up by the native CPU kernel (use_native_cpu)
+
+    def use_native_cpu(self) -> bool:
+        self.native = True
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gu = self.gate_up_proj(x)
+        if self.native and gu.dtype == torch.bfloat16:
+            return self.down_proj(cpu_kernels.silu_mul(gu))
+        gate, up = gu.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

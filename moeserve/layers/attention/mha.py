@@ -1,7 +1,12 @@
-"""Multi-head (GQA) attention over a paged KV cache; torch implementation (CPU path).
+"""Multi-head (GQA) attention over a paged KV cache (CPU path).
 
 Cache contract: `k_cache`, `v_cache` each [num_pages, page_size, num_kv_heads, head_dim];
 token t of a sequence lives at page block_table[t // page_size], offset t % page_size.
+
+Two implementations: the native CPU kernel (`moeserve.kernels.cpu.attention`, bf16 cache:
+every query row computed by one fixed order over its keys, so a position's output does not
+depend on how its sequence was split into steps, nor on the batch), and torch's SDPA / flash
+kernels (fp32 cache for decode; `batch_invariant` makes it batch-invariant at a cost).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels import cpu as cpu_kernels
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 
 # torch's CPU flash attention splits keys into blocks of this many (from position 0)
@@ -31,6 +37,12 @@ class PagedAttention(nn.Module):
         # batch-invariant attention (deterministic mode): each query row gets the same
         # arithmetic alone or in any batch, chunk or prefix-cache split (see `_invariant`)
         self.batch_invariant = False
+        self.native = False  # the native CPU kernel serves (use_native_cpu, bf16 cache)
+        self._native_ok = False
+
+    def use_native_cpu(self) -> bool:
+        self.native = True
+        return True
 
     # ---- cache contract used by the runner ------------------------------------------------
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -42,6 +54,7 @@ class PagedAttention(nn.Module):
         shape = (num_pages, page_size, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self._native_ok = self.native and dtype == torch.bfloat16 and self.head_dim % 2 == 0
 
     # ---- compute ---------------------------------------------------------------------------
     def forward(
@@ -54,6 +67,17 @@ class PagedAttention(nn.Module):
         vf = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         kf.index_copy_(0, md.slot_mapping, k if k.dtype == kf.dtype else k.to(kf.dtype))
         vf.index_copy_(0, md.slot_mapping, v if v.dtype == vf.dtype else v.to(vf.dtype))
+        if self._native_ok and q.dtype == torch.bfloat16:
+            return cpu_kernels.attention(
+                q,
+                self.k_cache,
+                self.v_cache,
+                md.block_tables,
+                md.query_lens_host,
+                md.seq_lens_host,
+                self.scale,
+                self.head_dim,
+            )
         if self.batch_invariant and q.device.type == "cpu":
             return self._invariant(q, md)
         nd = md.num_decode_seqs

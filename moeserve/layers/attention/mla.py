@@ -25,6 +25,10 @@ Two execution paths:
   products read kv_b_proj as stored (block-FP8 or 16-bit, kernels/mla_absorb.py) for
   decode-sized batches, else run as bmm on its dense weight. Strided views instead of
   copies throughout; no host syncs (CUDA-graph capturable).
+- native CPU kernels (bf16 cache; `use_native_cpu`): the absorbed form for every row, decode
+  or prefill (W_UK and W_UV products per head and the attention over the latent rows through
+  `moeserve.kernels.cpu`), so a row's result does not depend on how its sequence was split
+  into steps.
 - torch (CPU, other shapes): expanded form per sequence for prefill, absorbed for decode.
 """
 
@@ -245,6 +249,9 @@ class MLAAttention(nn.Module):
         # None: the Triton kernels serve supported GPUs; True forces them (tests run them
         # under the Triton interpreter on a CPU), False forbids them
         self.use_kernels: bool | None = None
+        # native CPU kernels: per-head W_UK / W_UV products, packed once (use_native_cpu)
+        self._native_absorb: tuple[list, list] | None = None
+        self._native_ok = False
 
     # ---- cache contract used by the runner ------------------------------------------------
     @property
@@ -260,6 +267,23 @@ class MLAAttention(nn.Module):
         self.kv_cache = torch.zeros(
             (num_pages, page_size, self.latent_dim), dtype=dtype, device=device
         )
+        self._native_ok = self._native_absorb is not None and dtype == torch.bfloat16
+        if self._native_absorb is not None and not self._native_ok:
+            log.info("MLA: a %s cache: torch attention (the native CPU kernel reads bf16)", dtype)
+
+    def use_native_cpu(self) -> bool:
+        """W_UK [h, nope, L] as h linear weights [L, nope] and W_UV [h, v, L] as h [v, L],
+        packed once (a dense copy of kv_b_proj only)."""
+        from moeserve.kernels import cpu as cpu_kernels
+
+        if self.nope % 2 or self.kv_lora % 2 or self.latent_dim % 2:
+            return False
+        w = dense_weight(self.kv_b_proj, torch.bfloat16)
+        w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
+        uk = [cpu_kernels.pack_bf16(w[h, : self.nope].t()) for h in range(self.num_heads)]
+        uv = [cpu_kernels.pack_bf16(w[h, self.nope :]) for h in range(self.num_heads)]
+        self._native_absorb = (uk, uv)
+        return True
 
     @property
     def supports_cuda_graph(self) -> bool:
@@ -416,7 +440,9 @@ class MLAAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         q, c, k_pe = self._project(x)
-        if self._kernels(q):
+        if self._native_ok and q.dtype == torch.bfloat16:
+            o = self._forward_native(positions, q, c, k_pe, ctx.attn)
+        elif self._kernels(q):
             o = self._forward_kernels(positions, q, c, k_pe, ctx.attn)
         else:
             o = self._forward_torch(positions, q, c, k_pe, ctx.attn)
@@ -525,6 +551,42 @@ class MLAAttention(nn.Module):
         if md.is_decode_only:
             return self._absorbed(q_nope, q_pe, md)
         return self._expanded(q_nope, q_pe, md)
+
+    def _forward_native(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        c: torch.Tensor,
+        k_pe: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Every row in the absorbed form through the native CPU kernels."""
+        from moeserve.kernels import cpu as cpu_kernels
+
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe.unsqueeze(1))
+        self._write(c, k_pe.squeeze(1), md.slot_mapping)
+        tokens, heads, lat = q.shape[0], self.num_heads, self.kv_lora
+        uk, uv = self._native_absorb
+        q_abs = q.new_empty(tokens, heads, self.latent_dim)
+        for h in range(heads):
+            q_abs[:, h, :lat] = cpu_kernels.linear(q_nope[:, h], uk[h])
+        q_abs[:, :, lat:] = q_pe
+        rows = self.kv_cache.unsqueeze(2)  # [pages, page, 1 KV head, L + R]: keys and values
+        o_lat = cpu_kernels.attention(
+            q_abs,
+            rows,
+            rows,
+            md.block_tables,
+            md.query_lens_host,
+            md.seq_lens_host,
+            self.scale,
+            lat,
+        )
+        o = q.new_empty(tokens, heads, self.v_dim)
+        for h in range(heads):
+            o[:, h] = cpu_kernels.linear(o_lat[:, h], uv[h])
+        return o
 
     def _expanded(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata

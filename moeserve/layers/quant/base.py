@@ -83,6 +83,12 @@ class LinearMethod(ABC):
         that every layer can share go into `shared` (optional)."""
         return None
 
+    def use_native_cpu(self, layer: nn.Module) -> bool:
+        """Serve `layer` through the native CPU kernels from now on (called once after
+        loading, where they serve: CPU, bf16 activations); False where this method has no
+        native form and keeps torch's."""
+        return False
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """Dense weights in the model dtype."""
@@ -92,7 +98,21 @@ class UnquantizedLinearMethod(LinearMethod):
     ) -> None:
         layer.weight = make_param(torch.empty(output_size, input_size, dtype=dtype))
 
+    def use_native_cpu(self, layer: nn.Module) -> bool:
+        from moeserve.kernels import cpu as cpu_kernels
+
+        if layer.weight.dtype != torch.bfloat16 or layer.weight.shape[1] % 2:
+            return False
+        # the packed copy serves the matmul; `weight` stays for readers of the dense matrix
+        layer.native_weight = cpu_kernels.pack_bf16(layer.weight.data)
+        return True
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        packed = getattr(layer, "native_weight", None)
+        if packed is not None:
+            from moeserve.kernels import cpu as cpu_kernels
+
+            return cpu_kernels.linear(x, packed)
         return torch.nn.functional.linear(x, layer.weight)
 
 
@@ -106,7 +126,8 @@ class QuantConfig(ABC):
         """The method for the linear layer called `prefix` in the checkpoint."""
 
     def lm_head_method(self) -> LinearMethod | None:
-        """A method for the LM head's matmul (None: plain matmul in the model dtype)."""
+        """A method for the LM head's matmul (None: plain matmul in the model dtype); its
+        `apply` takes `out_dtype` (the head asks for fp32 logits)."""
         return None
 
     def moe_method(self, prefix: str) -> object | None:

@@ -1,18 +1,19 @@
 """Weight-only quantization applied at load for the CPU path (`--quantization`).
 
 Checkpoint weights arrive as floats (GGUF tensors are dequantized by `gguf`) into an fp32
-staging parameter; after loading, these methods repack them for torch's CPU weight-only
-matmul ops, which are fast with bf16 activations:
+staging parameter; after loading, these methods repack them, for the native CPU kernels
+(`moeserve.kernels.cpu`: one arithmetic order per output element, whatever the row count)
+where those serve, else for torch's CPU weight-only matmul ops:
 - int4: groups of 32 along K, asymmetric (scale and zero per group). This is exactly GGUF's
   Q4_1 (w = d*q + m; llama.cpp puts each group's min and max on codes 0 and 15), so a Q4_1
   file is served with its own 4-bit weights.
 - int8: per output channel, symmetric.
 
-With bf16 activations each layer also keeps a bf16 copy of its (dequantized) weights for
-prefill: from PREFILL_ROWS rows on a bf16 GEMM beats the weight-only kernels (measured on
-SmolLM2 at 2k-4k tokens: prefill 1.4-1.5x faster end to end), at 2 bytes per weight of memory.
-Batch-invariant (deterministic) layers always take the weight-only kernel, so a row's result
-never depends on what else is in the step.
+On torch's kernels with bf16 activations each layer also keeps a bf16 copy of its
+(dequantized) weights for prefill: from PREFILL_ROWS rows on a bf16 GEMM beats torch's
+weight-only kernels, at 2 bytes per weight of memory. Batch-invariant (deterministic) layers
+always take the weight-only kernel there. The native kernels need neither: one kernel serves
+every row count at once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from moeserve.config import ConfigError
+from moeserve.kernels import cpu as cpu_kernels
 from moeserve.layers.quant.base import LinearMethod, NoQuant, QuantConfig, make_param
 
 log = logging.getLogger(__name__)
@@ -48,10 +50,29 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class _StagedMethod(LinearMethod):
-    """Loads into an fp32 weight (no rounding before repacking), applies in `act_dtype`."""
+    """Loads into an fp32 weight (no rounding before repacking), applies in `act_dtype`.
 
-    def __init__(self, prefill_copy: bool = True) -> None:
+    `native`: repack for the native CPU kernels (`layer.native_weight`) instead of torch's."""
+
+    def __init__(self, prefill_copy: bool = True, native: bool = False) -> None:
         self.prefill_copy = prefill_copy
+        self.native = native
+
+    def _use_native(self, layer: nn.Module) -> bool:
+        return self.native and layer.act_dtype == torch.bfloat16
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """x @ W^T in the activation dtype, or `out_dtype` (the LM head's fp32 logits)."""
+        packed = getattr(layer, "native_weight", None)
+        if packed is not None:
+            return cpu_kernels.linear(x, packed, out_dtype or torch.bfloat16)
+        y = self._apply_torch(layer, x)
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def _apply_torch(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def _keep_copy(self, layer: nn.Module, dequantized: torch.Tensor) -> None:
         layer.batch_invariant = False
@@ -82,12 +103,15 @@ class Int8WeightOnlyMethod(_StagedMethod):
         q = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
         dtype = getattr(layer, "act_dtype", layer.weight.dtype)
         del layer.weight  # a tied embedding keeps its own reference for lookups
+        layer.act_dtype = dtype
+        if self._use_native(layer):
+            layer.native_weight = cpu_kernels.pack_i8(q, scale)
+            return
         layer.register_buffer("qweight", q)
         layer.register_buffer("scales", scale.to(dtype))
-        layer.act_dtype = dtype
         self._keep_copy(layer, q.float() * scale.to(dtype).float()[:, None])
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _apply_torch(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._dense_rows(layer, x):
             return _dense_linear(x, layer.dense)
         shape = x.shape
@@ -117,9 +141,14 @@ class Int4WeightOnlyMethod(_StagedMethod):
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
         scale = ((hi - lo) / INT4_MAX).clamp(min=1e-12)
         q = torch.round((g - lo) / scale).clamp(0, INT4_MAX).to(torch.int32).view(n, k)
+        del layer.weight
+        if self._use_native(layer):
+            # w = scale * q + lo = d * (128 + q) + c
+            c = lo - cpu_kernels.Q4_BIAS * scale
+            layer.native_weight = cpu_kernels.pack_q4(q, scale.squeeze(-1), c.squeeze(-1))
+            return
         zero = lo + INT4_MID * scale
         sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1)
-        del layer.weight
         layer.register_buffer(
             "qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_MID)
         )
@@ -129,7 +158,7 @@ class Int4WeightOnlyMethod(_StagedMethod):
         deq = (q.view(n, k // INT4_GROUP, INT4_GROUP).float() - INT4_MID) * s16 + z16
         self._keep_copy(layer, deq.view(n, k))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _apply_torch(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self._dense_rows(layer, x):
             return _dense_linear(x, layer.dense)
         shape = x.shape
@@ -141,23 +170,25 @@ class Int4WeightOnlyMethod(_StagedMethod):
 
 class CpuWeightOnlyConfig(QuantConfig):
     """Linear layers in `bits` (4 or 8); the LM head in int8 (tied embeddings are Q8 in GGUF
-    files, and int4 would lose more there)."""
+    files, and int4 would lose more there). `native`: packed for the native CPU kernels."""
 
-    def __init__(self, bits: int) -> None:
+    def __init__(self, bits: int, native: bool = False) -> None:
         self.bits = bits
+        self.native = native
         self.name = f"int{bits}-weight-only"
 
     def linear_method(self, prefix: str) -> LinearMethod:
-        return Int4WeightOnlyMethod() if self.bits == 4 else Int8WeightOnlyMethod()
+        cls = Int4WeightOnlyMethod if self.bits == 4 else Int8WeightOnlyMethod
+        return cls(native=self.native)
 
     def lm_head_method(self) -> LinearMethod | None:
         # the LM head sees a step's logit rows only (few): no prefill copy
-        return Int8WeightOnlyMethod(prefill_copy=False)
+        return Int8WeightOnlyMethod(prefill_copy=False, native=self.native)
 
 
-def cpu_quant_config(name: str) -> QuantConfig:
+def cpu_quant_config(name: str, native: bool = False) -> QuantConfig:
     if name in ("none", "", None):
         return NoQuant()
     if name in ("int4", "int8"):
-        return CpuWeightOnlyConfig(int(name[3:]))
+        return CpuWeightOnlyConfig(int(name[3:]), native)
     raise ConfigError(f"unknown CPU quantization {name!r}; use auto, none, int4 or int8")

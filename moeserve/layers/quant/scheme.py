@@ -124,7 +124,20 @@ class SchemeLinearMethod(LinearMethod):
                 shared, max_tokens, layer.local_output, dev
             )
 
+    def use_native_cpu(self, layer: nn.Module) -> bool:
+        """Each call dequantizes (the model holds no dense copy of itself) and packs for the
+        native kernels."""
+        if layer.local_input % 2:
+            return False
+        layer.native_cpu = True
+        return True
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if getattr(layer, "native_cpu", False) and x.dtype == torch.bfloat16:
+            from moeserve.kernels import cpu as cpu_kernels
+
+            packed = cpu_kernels.pack_bf16(self.dense_weight(layer, torch.bfloat16))
+            return cpu_kernels.linear(x, packed)
         if x.is_cuda and gpu_kernels_enabled(x.device):
             x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
             tensors = self.tensors(layer)
