@@ -10,7 +10,7 @@ the default (native kernels) and torch's kernels with and without --deterministi
 Writes benchmarks/results/cpu_decode.json and .md.
 
     python3 benchmarks/cpu_decode.py [--tokens 128] [--skip-hf] [--skip-decode]
-        [--prefill-lengths 512,2048,4096,8192]
+        [--prefill-lengths 512,2048,4096,8000]
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
-    ap.add_argument("--prefill-lengths", default="512,2048,4096,8192")
+    ap.add_argument("--prefill-lengths", default="512,2048,4096,8000")
     ap.add_argument("--prefill-repeats", type=int, default=2)
     args = ap.parse_args()
     lengths = [int(x) for x in args.prefill_lengths.split(",") if x]

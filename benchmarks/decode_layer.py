@@ -495,8 +495,10 @@ def main_parallel(layouts: list[str], out: Path, commit: str | None) -> None:
 
 
 def _setting(kv: str) -> tuple[str, object]:
-    """KEY=VALUE -> (key, int or str value)."""
+    """KEY=VALUE -> (key, bool, int or str value)."""
     key, _, value = kv.partition("=")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
     return key, int(value) if value.lstrip("-").isdigit() else value
 
 

@@ -49,6 +49,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, *args, method: LinearMethod | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.method = method
+        self.batch_invariant = False  # --deterministic: the batch-invariant GEMM on GPUs
 
     def process_weights_after_loading(self) -> None:
         if self.method is not None:
@@ -74,6 +75,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             from moeserve.kernels import cpu as cpu_kernels
 
             logits = cpu_kernels.linear(h, self.native_weight, torch.float32)
+        elif self.batch_invariant and h.is_cuda:
+            from moeserve.kernels.invariant import gemm16
+
+            logits = gemm16(h, self.weight, torch.float32)
         else:
             logits = F.linear(h, self.weight).float()
         logits = self.tp.all_gather(logits, dim=-1)

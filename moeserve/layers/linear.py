@@ -53,6 +53,9 @@ class LinearBase(nn.Module):
         self.local_outputs = self._local_output_sizes()
         self.local_output = sum(self.local_outputs)
         self.method = (quant or NoQuant()).linear_method(prefix)
+        # --deterministic: each row's result independent of the step's other rows (the
+        # methods' batch-invariant schedules)
+        self.batch_invariant = False
         self.method.create_weights(self, self.local_input, self.local_output, dtype)
         if bias:
             self.bias = make_param(torch.zeros(self.local_output, dtype=dtype), 0, None)

@@ -417,6 +417,8 @@ class RoutedExperts(nn.Module):
         # the fused kernels' one-token combine counters (zeroed; the kernel re-zeroes them)
         self._combine_counters: torch.Tensor | None = None
         self.native = False  # the expert loop through the native CPU kernels
+        # --deterministic: the fused kernels' tensor-core schedule at every token count
+        self.batch_invariant = False
 
     def use_native_cpu(self) -> bool:
         """Each expert's weights are dequantized and packed per call (the model holds no dense
@@ -453,6 +455,19 @@ class RoutedExperts(nn.Module):
             return
         self._nvfp4_args = self._nvfp4_kernel_args()
 
+    def _invariant_fp8_schedule(self, x: torch.Tensor) -> dict:
+        """--deterministic: the tensor-core schedule with the one-token config at every token
+        count (block-FP8 or 16-bit weights)."""
+        if not self.batch_invariant:
+            return {}
+        from moeserve.kernels.configs import tile_config
+        from moeserve.kernels.moe_fp8 import tile_table
+
+        w13, s13 = self._elementwise_args[:2]
+        key = f"{w13.shape[0]}:{w13.shape[1]}x{w13.shape[2]}"
+        table = tile_table(s13 is not None, "mma")
+        return dict(kernel="mma", config=tile_config(table, 1, key))
+
     def _nvfp4_kernel_args(self) -> tuple[torch.Tensor, ...] | None:
         """NVFP4: one global scale per expert for gate+up (the fused kernel's contract),
         folded in place into the block scales, and the kernel's argument views."""
@@ -482,7 +497,7 @@ class RoutedExperts(nn.Module):
         always on the CPU loop; in the fused kernels where slots measured faster."""
         tokens = x.shape[0]
         fused = self._nvfp4_args is not None or self._elementwise_args is not None
-        if not (fused and x.is_cuda and x.dtype == torch.bfloat16):
+        if not (fused and x.is_cuda and x.dtype == torch.bfloat16) or self.batch_invariant:
             return True
         return tokens <= SLOTS_MAX_GEMV_TOKENS or tokens >= SLOTS_MIN_MMA_TOKENS
 
@@ -535,6 +550,15 @@ class RoutedExperts(nn.Module):
         if fused and self._nvfp4_args is not None:
             from moeserve.kernels.moe import fused_moe_nvfp4
 
+            schedule = {}
+            if self.batch_invariant:
+                from moeserve.kernels import invariant
+
+                schedule = dict(
+                    kernel="mma",
+                    gate_up_config=invariant.MOE_NVFP4_GATE_UP,
+                    down_config=invariant.MOE_NVFP4_DOWN,
+                )
             return fused_moe_nvfp4(
                 x.contiguous(),
                 local,
@@ -543,6 +567,7 @@ class RoutedExperts(nn.Module):
                 out=add_to,
                 accumulate=add_to is not None,
                 combine_counters=self._combine_counters,
+                **schedule,
             )
         if fused and self._elementwise_args is not None:
             from moeserve.kernels.moe_fp8 import fused_moe_fp8
@@ -555,6 +580,7 @@ class RoutedExperts(nn.Module):
                 out=add_to,
                 accumulate=add_to is not None,
                 combine_counters=self._combine_counters,
+                **self._invariant_fp8_schedule(x),
             )
         out = torch.zeros_like(x) if add_to is None else add_to.clone()
         inter = self.w13.local_out
@@ -596,6 +622,7 @@ class Router(nn.Module):
         # the one-launch gate GEMV + routing's scratch (GPU, where its kernel applies)
         self.fused_workspace = None
         self.native_weight = None  # the gate packed for the native CPU kernels
+        self.batch_invariant = False  # --deterministic: the batch-invariant GEMM on GPUs
 
     def use_native_cpu(self) -> bool:
         """fp32 logits from bf16 x and gate (products exact, one summation order)."""
@@ -633,6 +660,10 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_weight is not None and x.dtype == torch.bfloat16:
             return cpu_kernels.linear(x, self.native_weight, torch.float32)
+        if self.batch_invariant and x.is_cuda and self.weight.dtype == torch.bfloat16:
+            from moeserve.kernels.invariant import gemm16
+
+            return gemm16(x.to(torch.bfloat16), self.weight, torch.float32)
         if self._fp32_out and x.dtype == torch.bfloat16:
             return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
         return F.linear(x.float(), self.weight.float())
@@ -760,7 +791,7 @@ class DeepseekMoE(nn.Module):
             routed_scaling_factor=c.routed_scaling_factor,
         )
         bias = self.gate.e_score_correction_bias
-        if self.gate.fused_workspace is not None:
+        if self.gate.fused_workspace is not None and not self.gate.batch_invariant:
             from moeserve.kernels.router_fused import prefer_fused_route, route_fused
 
             if prefer_fused_route(x, self.gate.weight):  # one launch for GEMV + routing

@@ -12,52 +12,13 @@ scheduler's chunking and the prefix cache."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from step_split import PROMPT_LEN, SPLITS, last_logits, random_prompt
 
 from moeserve.engine.engine import LLM
-from moeserve.engine.step import StepInput
 from moeserve.loader.checkpoint_writer import write_checkpoint
 from moeserve.sampling import SamplingParams
-
-PROMPT_LEN = 100
-SPLITS = {
-    "chunks of 16": [16] * 6 + [4],
-    "chunks of 64": [64, 36],
-    "first half cached": [48, 52],
-    "last 5 decoded one per step": [95, 1, 1, 1, 1, 1],
-    "last 4 verified at once": [96, 4],
-}
-
-
-def last_logits(llm: LLM, ids: list[int], splits: list[int]) -> torch.Tensor:
-    """Logits of the last position after computing `ids` in steps of `splits` tokens, each
-    step attending the pages the earlier ones wrote (page-table row 0, fresh pages)."""
-    runner = llm.engine.runner
-    ps = runner.page_size
-    pages = list(range(1, -(-len(ids) // ps) + 1))
-    runner.block_table[0].zero_()
-    done = sent = 0
-    logits = None
-    for n in splits:
-        end = done + n
-        need = -(-end // ps)
-        updates = [0, sent, need - sent, *pages[sent:need]] if need > sent else []
-        sent = need
-        step = StepInput(
-            ids=ids[done:end],
-            positions=list(range(done, end)),
-            rows=[0],
-            seq_lens=[end],
-            query_lens=[n],
-            page_updates=updates,
-            logit_rows=[n - 1],
-        )
-        logits = runner.execute_model(step)
-        done = end
-    return logits[0].clone()
 
 
 @pytest.fixture(scope="module")
@@ -73,17 +34,12 @@ def _engine(path: str | None, **kw) -> LLM:
     return LLM(path, max_model_len=256, **extra, **kw)
 
 
-def _prompt(llm: LLM) -> list[int]:
-    rng = random.Random(7)
-    return [rng.randrange(3, llm.engine.runner.vocab_limit) for _ in range(PROMPT_LEN)]
-
-
 @pytest.mark.parametrize("name", ["smollm2", "kimi-k2.5-nvfp4", "deepseek-v3-fp8"])
 def test_last_logits_do_not_depend_on_the_step_split(models, name):
     llm = _engine(models[name])
     assert llm.engine.loaded.config.dtype is not None
     assert llm.engine.runner.kv_dtype == torch.bfloat16
-    ids = _prompt(llm)
+    ids = random_prompt(llm)
     whole = last_logits(llm, ids, [PROMPT_LEN])
     assert whole.isfinite().all()
     for what, splits in SPLITS.items():
@@ -95,7 +51,7 @@ def test_last_logits_do_not_depend_on_the_step_split(models, name):
 def test_torch_kernels_do_depend_on_it():
     """The same check on torch's kernels fails: what makes the test above meaningful."""
     llm = _engine(None, cpu_kernels="torch")
-    ids = _prompt(llm)
+    ids = random_prompt(llm)
     whole = last_logits(llm, ids, [PROMPT_LEN])
     differ = [w for w, s in SPLITS.items() if not torch.equal(last_logits(llm, ids, s), whole)]
     assert differ
@@ -113,7 +69,7 @@ def test_engine_chunking_and_prefix_cache_give_the_same_tokens_and_logprobs(mode
         return [out.token_ids, [(lp.logprob, lp.top) for lp in out.logprobs]]
 
     whole = _engine(path, enable_prefix_caching=False)
-    ids = _prompt(whole)
+    ids = random_prompt(whole)
     want = run(whole, ids)
     chunked = _engine(path, enable_prefix_caching=False, long_prefill_token_threshold=16)
     assert run(chunked, ids) == want

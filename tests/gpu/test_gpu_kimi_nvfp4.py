@@ -101,8 +101,11 @@ def test_gpu_kernels_match_cpu_reference(tmp_path, monkeypatch, kv):
             max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=0
         ),
     )
-    # the bf16 noise floor: the same torch reference path, run in bf16 on the CPU
-    floor = _compare(prompts, ref, LLM(path, device="cpu", dtype="bfloat16", **kw))
+    # the bf16 noise floor: the same torch reference path, run in bf16 on the CPU (torch's CPU
+    # kernels: the bf16 rounding of that path, not the native kernels' own arithmetic)
+    floor = _compare(
+        prompts, ref, LLM(path, device="cpu", dtype="bfloat16", cpu_kernels="torch", **kw)
+    )
     gpu = _compare(prompts, ref, LLM(path, device="cuda", dtype="bfloat16", **kw))
     used = {n: c[0] for n, c in calls.items()}
     print(
@@ -133,7 +136,9 @@ def test_gpu_fp8_block_linears_match_cpu_reference(tmp_path, monkeypatch):
             max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=0
         ),
     )
-    floor = _compare(prompts, ref, LLM(path, device="cpu", dtype="bfloat16", **kw))
+    floor = _compare(
+        prompts, ref, LLM(path, device="cpu", dtype="bfloat16", cpu_kernels="torch", **kw)
+    )
     gpu = _compare(prompts, ref, LLM(path, device="cuda", dtype="bfloat16", **kw))
     print(f"fp8-block: {calls[0]} fp8_block_gemm calls; cpu-bf16 {floor}; gpu-bf16 {gpu}")
     assert calls[0] > 0
@@ -154,7 +159,9 @@ def _graphs_follow_cpu_reference(path: str, max_model_len: int = 256, **gpu_sett
             max_tokens=STEPS, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=0
         ),
     )
-    floor = _compare(prompts, ref, LLM(path, device="cpu", dtype="bfloat16", **kw))
+    floor = _compare(
+        prompts, ref, LLM(path, device="cpu", dtype="bfloat16", cpu_kernels="torch", **kw)
+    )
     gpu_llm = LLM(path, device="cuda", dtype="bfloat16", **kw, **gpu_settings)
     assert gpu_llm.engine.runner.graphs is not None, gpu_llm.engine.runner.graph_status
     gpu = _compare(prompts, ref, gpu_llm)

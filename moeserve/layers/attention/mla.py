@@ -252,6 +252,9 @@ class MLAAttention(nn.Module):
         # native CPU kernels: per-head W_UK / W_UV products, packed once (use_native_cpu)
         self._native_absorb: tuple[list, list] | None = None
         self._native_ok = False
+        # --deterministic on GPUs: every row through the prefill kernel, absorbed products by
+        # the batch-invariant GEMM (kernels/invariant.py)
+        self.batch_invariant = False
 
     # ---- cache contract used by the runner ------------------------------------------------
     @property
@@ -424,6 +427,13 @@ class MLAAttention(nn.Module):
         dense weight. True where the kernel ran, and then it also did `cache_write`."""
         from moeserve.kernels.mla_absorb import absorb_gemv, absorb_max_rows
 
+        if self.batch_invariant:  # per head x [T, *] @ W^T by the batch-invariant GEMM
+            from moeserve.kernels.invariant import gemm16
+
+            w_uk, w_uv = self._absorb_weights(x.dtype)
+            w = w_uk.transpose(1, 2) if mode == "uk" else w_uv  # [h, N, K] views
+            gemm16(x.transpose(0, 1), w, out=out.transpose(0, 1))
+            return False
         stored = self._stored_absorb_weight()
         if stored is not None and x.shape[0] <= absorb_max_rows(mode, stored[0], self.num_heads):
             absorb_gemv(x, *stored, out, mode, self.nope, cache_write=cache_write)
@@ -501,6 +511,21 @@ class MLAAttention(nn.Module):
         if not self._absorb(q[..., : self.nope], q_abs[..., :lat], "uk", write):
             write_mla_cache(c, k_pe, self.kv_cache, md.slot_mapping, kv_scale, rope)
         o_lat = q.new_empty(tokens, heads, lat)
+        if self.batch_invariant:  # every row through one kernel: key tiles from position 0
+            mla_prefill(
+                q_abs,
+                self.kv_cache,
+                md.query_start,
+                md.seq_lens,
+                md.block_tables,
+                self.scale,
+                o_lat,
+                kv_scale=kv_scale,
+                max_q_len=max(md.query_lens_host),
+            )
+            o = q.new_empty(tokens, heads, self.v_dim)
+            self._absorb(o_lat, o, "uv")
+            return o
         n_dec = md.num_decode_seqs  # the leading one-token sequences = the first n_dec tokens
         if n_dec:
             kernel, ws, splits = mla_decode, None, None

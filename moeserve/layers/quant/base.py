@@ -113,6 +113,10 @@ class UnquantizedLinearMethod(LinearMethod):
             from moeserve.kernels import cpu as cpu_kernels
 
             return cpu_kernels.linear(x, packed)
+        if x.is_cuda and getattr(layer, "batch_invariant", False):
+            from moeserve.kernels.invariant import gemm16
+
+            return gemm16(x.reshape(-1, x.shape[-1]), layer.weight).view(*x.shape[:-1], -1)
         return torch.nn.functional.linear(x, layer.weight)
 
 

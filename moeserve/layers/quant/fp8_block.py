@@ -53,12 +53,22 @@ class Fp8BlockScheme(WeightScheme):
         return self.block == FP8_BLOCK  # the Triton kernel is written for 128x128 blocks
 
     def gpu_matmul(
-        self, t: dict[str, torch.Tensor], x: torch.Tensor, workspace: SplitKWorkspace | None = None
+        self,
+        t: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        workspace: SplitKWorkspace | None = None,
+        invariant: bool = False,
     ) -> torch.Tensor | None:
         if not self.has_gpu_matmul(t):
             return None
         from moeserve.kernels.fp8_block_gemm import fp8_block_gemm
 
+        if invariant:
+            from moeserve.kernels.invariant import FP8_GEMM
+
+            return fp8_block_gemm(
+                x, t["weight"], t["weight_scale_inv"], config=FP8_GEMM, kernel="mma"
+            )
         return fp8_block_gemm(x, t["weight"], t["weight_scale_inv"], workspace=workspace)
 
 

@@ -74,15 +74,24 @@ class WeightScheme:
         return self.nvfp4_view(t) is not None
 
     def gpu_matmul(
-        self, t: dict[str, torch.Tensor], x: torch.Tensor, workspace: SplitKWorkspace | None = None
+        self,
+        t: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        workspace: SplitKWorkspace | None = None,
+        invariant: bool = False,
     ) -> torch.Tensor | None:
         """x [M, K] bf16 @ W^T by a GPU kernel reading the stored format, or None (no kernel:
-        the caller dequantizes). `workspace`: a static split-K `SplitKWorkspace` that fits."""
+        the caller dequantizes). `workspace`: a static split-K `SplitKWorkspace` that fits;
+        `invariant`: the batch-invariant schedule (kernels/invariant.py)."""
         view = self.nvfp4_view(t)
         if view is None:
             return None
         from moeserve.kernels.nvfp4_gemm import nvfp4_gemm  # W4A16, dequantized in registers
 
+        if invariant:
+            from moeserve.kernels.invariant import NVFP4_GEMM
+
+            return nvfp4_gemm(x, *view, config=NVFP4_GEMM, kernel="mma")
         return nvfp4_gemm(x, *view, workspace=workspace)
 
 
@@ -138,14 +147,20 @@ class SchemeLinearMethod(LinearMethod):
 
             packed = cpu_kernels.pack_bf16(self.dense_weight(layer, torch.bfloat16))
             return cpu_kernels.linear(x, packed)
+        invariant = getattr(layer, "batch_invariant", False)
         if x.is_cuda and gpu_kernels_enabled(x.device):
             x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
             tensors = self.tensors(layer)
             ws = getattr(layer, "splitk_workspace", None)
             if ws is not None and not splitk_fits(ws, x2.shape[0], layer.local_output):
                 ws = None  # a bigger (eager) batch: the kernel allocates its own
-            y = self.scheme.gpu_matmul(tensors, x2, ws)
+            y = self.scheme.gpu_matmul(tensors, x2, ws, invariant)
             if y is not None:  # the stored format straight into a Triton kernel
+                return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+            if invariant:
+                from moeserve.kernels.invariant import gemm16
+
+                y = gemm16(x2, self.dense_weight(layer, torch.bfloat16))
                 return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.dense_weight(layer, x.dtype))
 

@@ -39,7 +39,7 @@
 #define TILE 16     /* output columns per tile */
 #define GROUP 32    /* q4: k per scale group */
 #define ROWS 8      /* rows per GEMM work item */
-#define KEYS 16     /* attention: keys per block, aligned to absolute key positions */
+#define KEYS 32     /* attention: keys per block, aligned to absolute key positions */
 #define Q4_BIAS 128 /* q4 codes enter the dot products as the bf16 value 128 + q */
 
 int ms_simd(void) { return MS_SIMD; }
@@ -476,7 +476,7 @@ typedef struct {
     uint16_t* pb; /* AVX-512 build: [rows][KEYS] the block's weights in bf16 */
     float* o;     /* [rows][Dv] running outputs */
     float* ml;    /* [rows][2] running max and (portable build) sum */
-    float* lv;    /* AVX-512 build: [rows][KEYS] running sums per lane, added up at the end */
+    float* lv;    /* AVX-512 build: [rows][16] running sums per lane, added up at the end */
     float* p;     /* [rows][KEYS] the block's weights */
     float* alpha; /* [rows] the block's rescale of the running output */
     int* nk;      /* [rows] keys of the block each row sees */
@@ -491,13 +491,15 @@ static void load_block(const attn_t* A, attn_scratch_t* S, int64_t b, int g, int
     for (int j = 0; j < valid; j++) kr[j] = kv_row(A, A->kc, A->k_head, b, k0 + j, g);
     int dp = 0;
 #if MS_SIMD
-    for (; dp + 16 <= DP; dp += 16) {
-        __m512i r[16];
-        for (int j = 0; j < KEYS; j++)
-            r[j] = j < valid ? _mm512_loadu_si512(kr[j] + 2 * dp) : _mm512_setzero_si512();
-        transpose16(r);
-        for (int i = 0; i < 16; i++) _mm512_storeu_si512(S->kt + (dp + i) * KEYS, r[i]);
-    }
+    for (; dp + 16 <= DP; dp += 16)
+        for (int kh = 0; kh < KEYS; kh += 16) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = kh + j < valid ? _mm512_loadu_si512(kr[kh + j] + 2 * dp)
+                                      : _mm512_setzero_si512();
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(S->kt + (dp + i) * KEYS + kh, r[i]);
+        }
 #endif
     for (; dp < DP; dp++)
         for (int j = 0; j < KEYS; j++) {
@@ -589,7 +591,7 @@ static inline __attribute__((always_inline)) void attn_rows(
     const attn_t* A, attn_scratch_t* S, int n, int r0, int G, int g, int64_t q0, int64_t pos0,
     int64_t k0) {
     int DP = A->Dqk / 2, Dv = A->Dv;
-    const uint16_t* qr[8];
+    const uint16_t* qr[4];
     for (int i = 0; i < n; i++) {
         int r = r0 + i;
         qr[i] = A->q + (q0 + r / G) * A->q_tok + (g * G + r % G) * A->q_head;
@@ -597,29 +599,43 @@ static inline __attribute__((always_inline)) void attn_rows(
         S->nk[r] = (int)(seen < KEYS ? seen : KEYS);
     }
 #if MS_SIMD
-    __m512 s[8];
-    for (int i = 0; i < n; i++) s[i] = _mm512_setzero_ps();
+    /* scores of keys 0-15 and 16-31 of the block */
+    __m512 s[4][2];
+    for (int i = 0; i < n; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
     for (int dp = 0; dp < DP; dp++) {
-        __m512bh kv = (__m512bh)_mm512_loadu_si512(S->kt + dp * KEYS);
-        for (int i = 0; i < n; i++) s[i] = dp_pair(s[i], kv, qr[i], dp);
+        __m512bh k0v = (__m512bh)_mm512_loadu_si512(S->kt + dp * KEYS);
+        __m512bh k1v = (__m512bh)_mm512_loadu_si512(S->kt + dp * KEYS + 16);
+        for (int i = 0; i < n; i++) {
+            s[i][0] = dp_pair(s[i][0], k0v, qr[i], dp);
+            s[i][1] = dp_pair(s[i][1], k1v, qr[i], dp);
+        }
     }
     for (int i = 0; i < n; i++) {
-        int r = r0 + i;
+        int r = r0 + i, nk = S->nk[r];
         float* m = &S->ml[2 * r];
-        __m512 sv = _mm512_mul_ps(s[i], _mm512_set1_ps(A->scale));
-        sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << S->nk[r]) - 1), sv);
-        float mnew = fmaxf(*m, _mm512_reduce_max_ps(sv));
+        __m512 scale = _mm512_set1_ps(A->scale), ninf = _mm512_set1_ps(-INFINITY);
+        __mmask16 m0 = nk >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nk) - 1);
+        __mmask16 m1 = nk >= 32 ? (__mmask16)0xffff
+                                : (nk > 16 ? (__mmask16)((1u << (nk - 16)) - 1) : (__mmask16)0);
+        __m512 s0 = _mm512_mask_mov_ps(ninf, m0, _mm512_mul_ps(s[i][0], scale));
+        __m512 s1 = _mm512_mask_mov_ps(ninf, m1, _mm512_mul_ps(s[i][1], scale));
+        float mnew = fmaxf(*m, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+        __m512 mv = _mm512_set1_ps(mnew);
         /* the weights in bf16 (what the value products take); the sum of the same values */
-        __m256bh pb = _mm512_cvtneps_pbh(exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
-        __m512 pv = _mm512_cvtpbh_ps(pb);
+        __m512bh pb = _mm512_cvtne2ps_pbh(exp512(_mm512_sub_ps(s1, mv)),
+                                          exp512(_mm512_sub_ps(s0, mv)));
+        __m512i pbits = (__m512i)pb;
+        __m512 p0 = _mm512_castsi512_ps(_mm512_slli_epi32(pbits, 16));
+        __m512 p1 = _mm512_castsi512_ps(_mm512_and_si512(pbits, _mm512_set1_epi32((int)0xffff0000)));
         /* exp(0) is exactly 1 here: skipping it when the max stays is the same arithmetic */
         float alpha = mnew == *m ? 1.0f : _mm512_cvtss_f32(exp512(_mm512_set1_ps(*m - mnew)));
-        __m512 lsum = _mm512_loadu_ps(S->lv + r * KEYS);
+        __m512 lsum = _mm512_loadu_ps(S->lv + r * 16);
         if (alpha != 1.0f) lsum = _mm512_mul_ps(lsum, _mm512_set1_ps(alpha));
-        _mm512_storeu_ps(S->lv + r * KEYS, _mm512_add_ps(lsum, pv));
+        _mm512_storeu_ps(S->lv + r * 16, _mm512_add_ps(lsum, _mm512_add_ps(p0, p1)));
         *m = mnew;
         S->alpha[r] = alpha;
-        _mm256_storeu_si256((__m256i*)(S->pb + r * KEYS), (__m256i)pb);
+        /* keys in order: lanes 0-15 of pb are keys 0-15, 16-31 keys 16-31 */
+        _mm512_storeu_si512(S->pb + r * KEYS, pbits);
     }
     /* o[r] = o[r] * alpha + sum_j p[r][j] v[j], j ascending, 64 columns and 4 rows at a time */
     for (int d = 0; d < Dv; d += 64) {
@@ -685,7 +701,7 @@ static void attn_item(const attn_t* A, attn_scratch_t* S, int64_t b, int g, int6
     for (int r = 0; r < R; r++) {
         S->ml[2 * r] = -INFINITY;
         S->ml[2 * r + 1] = 0.0f;
-        memset(S->lv + r * KEYS, 0, sizeof(float) * KEYS);
+        memset(S->lv + r * 16, 0, sizeof(float) * 16);
         memset(S->o + (int64_t)r * Dv, 0, sizeof(float) * (size_t)Dv);
     }
     for (int64_t k0 = 0; k0 <= last; k0 += KEYS) {
@@ -693,12 +709,8 @@ static void attn_item(const attn_t* A, attn_scratch_t* S, int64_t b, int g, int6
         load_block(A, S, b, g, k0, valid);
         /* rows are ordered by position: those that see this block are a suffix */
         int first = k0 <= pos0 ? 0 : (int)(k0 - pos0) * G;
-        for (int r = first; r < R; r += 8) {
-            switch (R - r < 8 ? R - r : 8) {
-                case 8: attn_rows(A, S, 8, r, G, g, q0, pos0, k0); break;
-                case 7: attn_rows(A, S, 7, r, G, g, q0, pos0, k0); break;
-                case 6: attn_rows(A, S, 6, r, G, g, q0, pos0, k0); break;
-                case 5: attn_rows(A, S, 5, r, G, g, q0, pos0, k0); break;
+        for (int r = first; r < R; r += 4) {
+            switch (R - r < 4 ? R - r : 4) {
                 case 4: attn_rows(A, S, 4, r, G, g, q0, pos0, k0); break;
                 case 3: attn_rows(A, S, 3, r, G, g, q0, pos0, k0); break;
                 case 2: attn_rows(A, S, 2, r, G, g, q0, pos0, k0); break;
@@ -712,7 +724,7 @@ static void attn_item(const attn_t* A, attn_scratch_t* S, int64_t b, int g, int6
         const float* o = S->o + (int64_t)r * Dv;
         int d = 0;
 #if MS_SIMD
-        float l = _mm512_reduce_add_ps(_mm512_loadu_ps(S->lv + r * KEYS));
+        float l = _mm512_reduce_add_ps(_mm512_loadu_ps(S->lv + r * 16));
         for (; d + 16 <= Dv; d += 16) {
             __m512 v = _mm512_div_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(l));
             _mm256_storeu_si256((__m256i*)(dst + d), (__m256i)_mm512_cvtneps_pbh(v));
@@ -767,7 +779,7 @@ int ms_attention(const uint16_t* q, int64_t q_tok, int64_t q_head, int H, int KV
         S.pb = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)rows * KEYS);
         S.o = (float*)malloc(sizeof(float) * (size_t)rows * (size_t)Dv);
         S.ml = (float*)malloc(sizeof(float) * (size_t)rows * 2);
-        S.lv = (float*)malloc(sizeof(float) * (size_t)rows * KEYS);
+        S.lv = (float*)malloc(sizeof(float) * (size_t)rows * 16);
         S.p = (float*)malloc(sizeof(float) * (size_t)rows * KEYS);
         S.alpha = (float*)malloc(sizeof(float) * (size_t)rows);
         S.nk = (int*)malloc(sizeof(int) * (size_t)rows);
