@@ -45,19 +45,21 @@ def _chat_ids(tok, text: str) -> list[int]:
     )
 
 
-def bench_moeserve(label: str, n_tokens: int, repeats: int, **engine_kw) -> dict:
+def bench_moeserve(configs: dict[str, dict], n_tokens: int, repeats: int) -> list[dict]:
+    """Decode tok/s of moeserve's configurations, their runs interleaved (this machine's
+    speed drifts by tens of percent over minutes; back-to-back blocks would measure that)."""
     from moeserve.engine.engine import LLM
     from moeserve.sampling import SamplingParams
 
-    llm = LLM(None, **engine_kw)
-    ids = [_chat_ids(llm.tokenizer, p) for p in PROMPTS]
-    eng = llm.engine
+    engines = {label: LLM(None, max_model_len=1024, **kw) for label, kw in configs.items()}
+    ids = [_chat_ids(next(iter(engines.values())).tokenizer, p) for p in PROMPTS]
 
-    def decode_rate(batch: list[list[int]]) -> float:
+    def decode_rate(llm: LLM, batch: list[list[int]]) -> float:
         """Output tok/s after every request finished its prefill (decode-only steps)."""
+        eng = llm.engine
         params = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
         for i, p in enumerate(batch):
-            eng.add_request(f"{label}-{time.monotonic_ns()}-{i}", p, params)
+            eng.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params)
         produced, t0 = 0, None
         while eng.has_unfinished():
             outs = eng.step()
@@ -71,18 +73,26 @@ def bench_moeserve(label: str, n_tokens: int, repeats: int, **engine_kw) -> dict
             produced += sum(len(o.token_ids) for o in outs)
         return produced / (time.perf_counter() - t0)
 
-    decode_rate(ids[:1])  # warm-up
-    single = [decode_rate(ids[:1]) for _ in range(repeats)]
-    conc8 = [decode_rate(ids) for _ in range(repeats)]
-    return {
-        "system": "moeserve",
-        "config": label,
-        "engine_kwargs": engine_kw,
-        "single_stream_tok_s": statistics.median(single),
-        "single_runs": single,
-        "concurrency8_tok_s": statistics.median(conc8),
-        "conc8_runs": conc8,
-    }
+    single: dict[str, list[float]] = {label: [] for label in engines}
+    conc8: dict[str, list[float]] = {label: [] for label in engines}
+    for llm in engines.values():
+        decode_rate(llm, ids[:1])  # warm-up
+    for _ in range(repeats):
+        for label, llm in engines.items():
+            single[label].append(decode_rate(llm, ids[:1]))
+            conc8[label].append(decode_rate(llm, ids))
+    return [
+        {
+            "system": "moeserve",
+            "config": label,
+            "engine_kwargs": configs[label],
+            "single_stream_tok_s": statistics.median(single[label]),
+            "single_runs": single[label],
+            "concurrency8_tok_s": statistics.median(conc8[label]),
+            "conc8_runs": conc8[label],
+        }
+        for label in engines
+    ]
 
 
 def bench_hf(dtype: torch.dtype, n_tokens: int, repeats: int) -> dict:
@@ -264,7 +274,7 @@ def _env() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--prefill-lengths", default="512,2048,4096,8000")
@@ -287,9 +297,9 @@ def main() -> None:
         "bf16+int4, torch kernels": dict(dtype="auto", quantization="auto", cpu_kernels="torch"),
         "bf16+int4 (default)": dict(dtype="auto", quantization="auto"),
     }
-    for label, kw in configs.items():
-        rows.append(bench_moeserve(label, args.tokens, args.repeats, **kw))
-        print(rows[-1]["config"], rows[-1]["single_stream_tok_s"], rows[-1]["concurrency8_tok_s"])
+    rows = bench_moeserve(configs, args.tokens, args.repeats)
+    for r in rows:
+        print(r["config"], r["single_stream_tok_s"], r["concurrency8_tok_s"], flush=True)
     if not args.skip_hf:
         for dt in (torch.float32, torch.bfloat16):
             rows.append(bench_hf(dt, args.tokens, args.repeats))
@@ -319,7 +329,8 @@ def _write(args: argparse.Namespace, rows: list[dict], prefill: list[dict], det:
         f"commit {env['commit']}, {env['cpu']} ({env['cores']} cores), torch {env['torch']}, "
         f"transformers {env['transformers']}, {env['date']}. {args.tokens} greedy tokens, EOS "
         "ignored, prefill excluded; median of "
-        f"{args.repeats} runs. Target: single-stream >= 3x HF fp32.",
+        f"{args.repeats} runs, moeserve's configurations interleaved. Target: single-stream >= "
+        "3x HF fp32.",
         "",
         "| system | config | single stream tok/s | x HF fp32 | concurrency 8 tok/s |",
         "|---|---|---|---|---|",
