@@ -11,7 +11,7 @@ In one run, for 1 / 8 / 64 tokens of 7168 bf16 (14 KB to 917 KB per rank):
 - NCCL all-reduce + torch add + RMSNorm (today's layer path);
 - torch's symmetric-memory ``torch.ops.symm_mem.one_shot_all_reduce`` + torch add + RMSNorm;
 and the all-reduce alone for each, up to 256 tokens (3.7 MB) to locate the one-shot / NCCL
-crossover (``ONE_SHOT_MAX_BYTES`` in moeserve/dist/comm.py).
+crossover (``ONE_SHOT_MAX_BYTES`` in moeserve/parallel/comm.py).
 
 Timing: each method's calls are captured ~100 at a time in a CUDA graph; per repeat the GPUs
 are held by a sleep kernel while the host enqueues, aligned by one NCCL all-reduce, then the
@@ -86,7 +86,7 @@ class Rank:
     """This rank's group, communicators and the peers' set-up."""
 
     def __init__(self, rank: int, world: int, store: str, max_tokens: int) -> None:
-        from moeserve.dist import comm as cm
+        from moeserve.parallel import comm as cm
 
         self.rank, self.world = rank, world
         torch.cuda.set_device(rank)
@@ -176,7 +176,7 @@ class Rank:
 
 
 def _check_fused(rk: Rank, n: int) -> dict:
-    from moeserve.kernels import allreduce as ar
+    from moeserve.kernels.comm import allreduce as ar
 
     x, res, w, parts = rk.case(n)
     want_y, want_r = ar.all_reduce_add_rmsnorm_reference(parts, res, w, EPS)
@@ -320,10 +320,10 @@ def summarize(ranks: list[dict], meta: dict) -> dict:
         row = next(r for r in rows if r["method"] == method and r["tokens"] == n)
         return row["median_us_slowest_rank"]
 
-    from moeserve.dist.comm import DEFAULT_PROTOCOL
+    from moeserve.parallel.comm import DEFAULT_PROTOCOL
 
     # the headline is the protocol the server runs (lamport stays measured, not the default:
-    # moeserve/dist/comm.py DEFAULT_PROTOCOL says why)
+    # moeserve/parallel/comm.py DEFAULT_PROTOCOL says why)
     best = us(fused, f"moeserve fused [{DEFAULT_PROTOCOL}]", 1)
     crossover = {}
     for proto in ("lamport", "flag"):

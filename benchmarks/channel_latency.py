@@ -1,4 +1,4 @@
-"""Latency of the shared-memory step channel (moeserve/dist/broadcast.py): rank 0 writes one
+"""Latency of the shared-memory step channel (moeserve/parallel/broadcast.py): rank 0 writes one
 small step message every P ms, a reader process stamps its arrival; per spin policy (the CPU
 ranks' short busy-poll, the GPU ranks' long one) and period, the median / p90 / max delay from
 write to read. A reader that has gone to sleep-polling adds its wake-up to every step.
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from common import git_commit
 
-from moeserve.dist.broadcast import SPIN_S_CPU, SPIN_S_GPU, ShmChannel
+from moeserve.parallel.broadcast import SPIN_S_CPU, SPIN_S_GPU, ShmChannel
 
 PERIODS_MS = (1, 5, 20)
 MESSAGES = 150

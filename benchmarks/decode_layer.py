@@ -482,7 +482,7 @@ def finish_parallel(res: dict, out: Path) -> None:
 
 def main_parallel(layouts: list[str], out: Path, commit: str | None) -> None:
     path = CONFIGS["kimi-k2.5-nvfp4"]
-    from moeserve.dist.comm import DEFAULT_PROTOCOL
+    from moeserve.parallel.comm import DEFAULT_PROTOCOL
 
     versions = {**_versions(commit), "gpus": torch.cuda.device_count()}
     versions["all_reduce"] = f"auto (one-shot {DEFAULT_PROTOCOL} protocol up to 1 MiB)"

@@ -52,9 +52,9 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from common import git_commit
 
-from moeserve.kernels import kv_cache as kvc  # noqa: E402
-from moeserve.kernels import norm as nk  # noqa: E402
-from moeserve.kernels import router as rk  # noqa: E402
+from moeserve.kernels.attention import kv_cache as kvc  # noqa: E402
+from moeserve.kernels.elementwise import norm as nk  # noqa: E402
+from moeserve.kernels.routing import router as rk  # noqa: E402
 from moeserve.layers.moe import select_experts  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12

@@ -12,7 +12,7 @@ base="http://127.0.0.1:$port"
 ckpt=$(mktemp -d)/kimi
 python3 - "$ckpt" <<'PY'
 import sys
-from moeserve.loader.checkpoint_writer import KERNEL_SHAPE, write_checkpoint
+from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
 write_checkpoint(sys.argv[1], "kimi-k2.5", "nvfp4-modelopt", shape=KERNEL_SHAPE, seed=1)
 PY
 python3 -m moeserve.cli serve "$ckpt" --port "$port" --max-model-len 2048 \

@@ -25,9 +25,9 @@ import torch
 from common import gpu_meta
 from kernels_gemm_moe import graph_time_us, n_copies
 
-from moeserve.kernels import fp8_block_gemm as f8
 from moeserve.kernels.configs import max_rows, tile_config
-from moeserve.kernels.moe_fp8 import (
+from moeserve.kernels.gemm import fp8_block_gemm as f8
+from moeserve.kernels.moe.fp8 import (
     fp8_moe_kernel_for,
     fused_moe_fp8,
     fused_moe_fp8_ref,

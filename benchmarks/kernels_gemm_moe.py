@@ -25,12 +25,12 @@ import torch
 import triton
 from common import git_commit
 
-from moeserve.kernels import fp8_block_gemm as f8
-from moeserve.kernels import moe as moe_mod
-from moeserve.kernels import nvfp4_format as fmt
-from moeserve.kernels import nvfp4_gemm as nv
-from moeserve.kernels import splitk
 from moeserve.kernels.configs import tile_config
+from moeserve.kernels.gemm import fp8_block_gemm as f8
+from moeserve.kernels.gemm import nvfp4_format as fmt
+from moeserve.kernels.gemm import nvfp4_gemm as nv
+from moeserve.kernels.gemm import splitk
+from moeserve.kernels.moe import nvfp4 as moe_mod
 
 HBM_BYTES_PER_S = 4.3e12
 L2_FLUSH_BYTES = 256 << 20  # cycle weight copies until one pass exceeds this (L2 is 50 MB)

@@ -47,9 +47,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from common import git_commit
 
-from moeserve.kernels import kv_cache as kvc  # noqa: E402
-from moeserve.kernels import mla_decode as dec  # noqa: E402
-from moeserve.kernels import mla_prefill as pre  # noqa: E402
+from moeserve.kernels.attention import kv_cache as kvc  # noqa: E402
+from moeserve.kernels.attention import mla_decode as dec  # noqa: E402
+from moeserve.kernels.attention import mla_prefill as pre  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 HEADS = 64  # Kimi-K2.5 (DeepSeek-V3 has 128)

@@ -1,4 +1,4 @@
-"""The absorbed MLA products (kernels/mla_absorb.py) against the bmm they replace.
+"""The absorbed MLA products (kernels/attention/mla_absorb.py) against the bmm they replace.
 
 Per decode step and MLA layer, q_nope [T, H, 128] @ W_UK [H, 128, 512] and
 o_lat [T, H, 512] @ W_UV[H]^T [512, 128], on kv_b_proj as published: block-FP8 (DeepSeek-V3/R1)
@@ -22,9 +22,9 @@ import torch
 from common import gpu_meta
 from kernels_gemm_moe import HBM_BYTES_PER_S, graph_time_us, n_copies
 
-from moeserve.kernels import mla_absorb as ma
+from moeserve.kernels.attention import mla_absorb as ma
 from moeserve.kernels.configs import tile_config
-from moeserve.kernels.fp8_block_gemm import dequantize_fp8_block
+from moeserve.kernels.gemm.fp8_block_gemm import dequantize_fp8_block
 
 NOPE, V, LAT = 128, 128, 512
 TOKENS = (1, 2, 4, 8, 16, 32, 64)

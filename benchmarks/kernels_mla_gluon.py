@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import gpu_meta  # noqa: E402
 from kernels_gemm_moe import graph_time_us  # noqa: E402
 
-from moeserve.kernels import mla_decode as md  # noqa: E402
-from moeserve.kernels import mla_decode_gluon as mg  # noqa: E402
+from moeserve.kernels.attention import mla_decode as md  # noqa: E402
+from moeserve.kernels.attention import mla_decode_gluon as mg  # noqa: E402
 
 PAGE = 64
 SM_SCALE = 0.1

@@ -22,7 +22,7 @@ import torch
 from common import gpu_meta
 from kernels_gemm_moe import graph_time_us
 
-from moeserve.kernels import mla_decode as md
+from moeserve.kernels.attention import mla_decode as md
 
 PAGE = 64
 SM_SCALE = 0.1

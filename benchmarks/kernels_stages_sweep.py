@@ -42,12 +42,12 @@ from kernels_gemm_moe import (
     rand_nvfp4_experts,
 )
 
-from moeserve.kernels import fp8_block_gemm as f8
-from moeserve.kernels import moe as moe_mod
-from moeserve.kernels import nvfp4_gemm as nv
-from moeserve.kernels import splitk
 from moeserve.kernels.configs import tile_config
-from moeserve.kernels.moe_fp8 import fused_moe_fp8
+from moeserve.kernels.gemm import fp8_block_gemm as f8
+from moeserve.kernels.gemm import nvfp4_gemm as nv
+from moeserve.kernels.gemm import splitk
+from moeserve.kernels.moe import nvfp4 as moe_mod
+from moeserve.kernels.moe.fp8 import fused_moe_fp8
 
 records: list[dict] = []
 
@@ -609,7 +609,7 @@ def ds_absorb() -> None:
     at once) and W_UV with its products summed once per program (LATE_SUM)."""
     from kernels_mla_absorb import rand_kv_b, weight_bytes
 
-    from moeserve.kernels import mla_absorb as ma
+    from moeserve.kernels.attention import mla_absorb as ma
 
     heads, nope, lat = 128, 128, 512
     weights = rand_kv_b(heads, "fp8", n_copies(weight_bytes(heads, "fp8", "uk") * 2))

@@ -7,7 +7,7 @@ at short contexts with many rows and at 4k: where a slow merge shows. Prints one
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moeserve.kernels import mla_decode as md
+from moeserve.kernels.attention import mla_decode as md
 
 PS = 64
 for heads, ctx, cap, batch, splits in [

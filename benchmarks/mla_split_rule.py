@@ -23,7 +23,7 @@ from common import gpu_meta
 from kernels_gemm_moe import graph_time_us
 from kernels_mla_heads import SM_SCALE, mla_case
 
-from moeserve.kernels import mla_decode as md
+from moeserve.kernels.attention import mla_decode as md
 
 PAGE = 16
 MIN_TOKENS = (64, 128, 256, 512)

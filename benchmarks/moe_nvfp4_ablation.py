@@ -47,7 +47,7 @@ def _patch(variant: str) -> None:
     import triton
     import triton.language as tl
 
-    from moeserve.kernels import nvfp4_gemv as g
+    from moeserve.kernels.gemm import nvfp4_gemv as g
 
     asm = tl.constexpr(_nodec_asm() if variant in ("nodec", "both") else g._f16x2_dot_asm())
     const_x = variant in ("nox", "both")
@@ -89,7 +89,7 @@ def run_variant(variant: str) -> dict:
 
     if variant != "base":
         _patch(variant)
-    from moeserve.kernels import moe as moe_mod
+    from moeserve.kernels.moe import nvfp4 as moe_mod
 
     e_, h, i, topk = 384, 7168, 2048, 8
     experts = rand_nvfp4_experts(e_, h, i, "cuda")

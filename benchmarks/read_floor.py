@@ -40,8 +40,8 @@ from kernels_gemm_moe import (
     rand_nvfp4_experts,
 )
 
-from moeserve.kernels import moe as moe_mod
 from moeserve.kernels.configs import tile_config
+from moeserve.kernels.moe import nvfp4 as moe_mod
 
 MB = 1 << 20
 DENSE_SIZES_MB = (4, 8, 16, 32, 64, 128, 256)

@@ -1,7 +1,7 @@
 # ruff: noqa: B023 -- the lambdas below bind their loop variables through default arguments
-"""The MoE router in one launch (kernels/router_fused.py: gate GEMV + routing) against the
+"""The MoE router in one launch (kernels/routing/router_fused.py: gate GEMV + routing) against the
 two-launch path of DeepseekMoE.route (Router.forward = torch.mm(x, W^T, out_dtype=fp32), then
-kernels/router.py's route), at the published DeepSeek-V3 (E=256, 8 groups) and Kimi (E=384)
+kernels/routing/router.py's route), at the published DeepSeek-V3 (E=256, 8 groups) and Kimi (E=384)
 routing, H=7168, decode batches T = 1, 2, 4, 8.
 
 Every time is us per router call from a CUDA graph of many calls (graph_time_us of
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # the sibling benchmark modules
 from common import gpu_meta  # noqa: E402
 from kernels_gemm_moe import graph_time_us, n_copies  # noqa: E402
 
-from moeserve.kernels import router_fused as rf  # noqa: E402
-from moeserve.kernels.router import route  # noqa: E402
+from moeserve.kernels.routing import router_fused as rf  # noqa: E402
+from moeserve.kernels.routing.router import route  # noqa: E402
 from moeserve.layers.moe import Router  # noqa: E402
 
 HIDDEN = 7168
@@ -148,7 +148,8 @@ def markdown(meta: dict, rows: list[dict], sweep: list[dict]) -> str:
         f"GPU {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit "
         f"{meta['commit']}. benchmarks/router_fused.py: us per router call from a CUDA graph, "
         f"gate weights (bf16 [E, {HIDDEN}]) cycled past L2. `two launches` = "
-        "torch.mm(out_dtype=fp32) + kernels/router.py route (DeepseekMoE.route's GPU path); "
+        "torch.mm(out_dtype=fp32) + kernels/routing/router.py route (DeepseekMoE.route's GPU "
+        "path); "
         "`gemm` / `route` = each alone (route on hot logits); `fused` = route_fused with its "
         "default launch shape (plan_config), `best fused` = the best swept shape; "
         "`HBM floor` = weight bytes / 4.3 TB/s; `ids agree` = rows whose expert set equals the "

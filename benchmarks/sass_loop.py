@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moeserve.kernels import moe
+from moeserve.kernels.moe import nvfp4 as moe
 
 HIDDEN = 7168  # Kimi-K2.5: the gate_up launch's K
 

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from moeserve.config import ConfigError
+from moeserve.errors import LoadError
 from moeserve.layers.quant.base import QuantConfig, UnquantizedLinearMethod
-from moeserve.loader.base import LoadError
 
 # safetensors header dtype names -> torch
 _ST_DTYPES: dict[str, torch.dtype] = {
@@ -543,7 +543,7 @@ def _kv_scheme(model: nn.Module, algo: str | None, loaded: dict[str, set]) -> st
 def check_gguf(path: str) -> CheckReport:
     from gguf import GGUFReader
 
-    from moeserve.loader.gguf import _SUPPORTED
+    from moeserve.loader.gguf import SUPPORTED_TYPES
 
     def value(key: str) -> Any:
         # a few keys only: the tokenizer's arrays are slow to read and not needed here
@@ -567,7 +567,7 @@ def check_gguf(path: str) -> CheckReport:
     report.lines.append("format: GGUF " + ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))
     if arch not in ("llama", "deepseek2"):
         report.problems.append(f"GGUF architecture {arch!r} is not supported (llama, deepseek2)")
-    bad = sorted(k for k in types if k not in _SUPPORTED)
+    bad = sorted(k for k in types if k not in SUPPORTED_TYPES)
     if bad:
         report.problems.append(f"quant type(s) {', '.join(bad)} are not supported")
     blocks = meta.get(f"{arch}.block_count")

@@ -75,7 +75,7 @@ def _build_parser() -> argparse.ArgumentParser:
     mk = sub.add_parser(
         "make-checkpoint", help="write a tiny random checkpoint in a published layout"
     )
-    from moeserve.loader.checkpoint_writer import add_make_checkpoint_arguments
+    from moeserve.testing.checkpoints import add_make_checkpoint_arguments
 
     add_make_checkpoint_arguments(mk)
 
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     level = str(getattr(args, "log_level", None) or "info").upper()  # --log-level debug: tracebacks
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     from moeserve.config import ConfigError
-    from moeserve.loader.base import LoadError
+    from moeserve.errors import LoadError
 
     try:
         if args.command == "serve":
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_bench(args)
         if args.command == "make-checkpoint":
-            from moeserve.loader.checkpoint_writer import run_make_checkpoint
+            from moeserve.testing.checkpoints import run_make_checkpoint
 
             return run_make_checkpoint(args)
         if args.command == "plan":

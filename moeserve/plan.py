@@ -47,7 +47,7 @@ from moeserve.layers.quant.base import NoQuant, QuantConfig, UnquantizedLinearMe
 # Triton allows e4m3 conversions (`fp8e4nv`, used by the NVFP4 scale decode, the block-FP8
 # GEMM and the FP8 latent cache) from sm_89 (triton/backends/nvidia/compiler.py)
 FP8_CONVERSION_CAPABILITY = (8, 9)
-# the layout the Triton MLA decode kernel is written for (kernels/mla_decode.py)
+# the layout the Triton MLA decode kernel is written for (kernels/attention/mla_decode.py)
 MLA_KERNEL_LAYOUT = (512, 64)
 FP32_BYTES = 4
 # estimates of memory outside the model (the engine measures it as "other" at start-up):
@@ -147,7 +147,7 @@ def _mla_decode_choice(
 ) -> KernelChoice:
     """MLA decode on a GPU with the Triton kernels: the Gluon kernel (Hopper) where the
     cache and --mla-decode-kernel allow it (layers/attention/mla.py), else the Triton one."""
-    from moeserve.kernels.mla_decode_gluon import GLUON_CAPABILITY, GLUON_PAGE_MULTIPLE
+    from moeserve.kernels.attention.mla_decode_gluon import GLUON_CAPABILITY, GLUON_PAGE_MULTIPLE
 
     triton_choice = "Triton MLA decode (absorbed, split-KV)"
     blockers = []
@@ -293,7 +293,7 @@ def kernel_choices(
             )
         )
     if fmt == "fp8-block" and quantized_linears:
-        from moeserve.kernels.fp8_block_gemm import FP8_BLOCK
+        from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK
 
         block = getattr(getattr(quant, "scheme", None), "block", FP8_BLOCK)
         if not gpu:
@@ -509,7 +509,7 @@ class RankWeights:
 
 
 def _tp_group(rank: int, size: int, expert_parallel: bool) -> Any:
-    from moeserve.dist.parallel import TPGroup
+    from moeserve.parallel.groups import TPGroup
 
     if expert_parallel and "expert_parallel" not in {f.name for f in fields(TPGroup)}:
         raise ConfigError("this build's layers do not implement --enable-expert-parallel")
@@ -669,7 +669,7 @@ class Plan:
 
 
 def _read_config(path: str) -> dict[str, Any]:
-    from moeserve.loader.base import LoadError
+    from moeserve.errors import LoadError
 
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):

@@ -35,7 +35,6 @@ from moeserve.config import (
     parse_dtype,
     served_context_len,
 )
-from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.engine.errors import EngineDead, EngineInputError, RequestFailed
 from moeserve.engine.executor import DistributedExecutor, Executor, start_watchdog
@@ -56,6 +55,7 @@ from moeserve.engine.worker import (
     run_worker,
 )
 from moeserve.loader import load_model, resolve_model_path
+from moeserve.parallel.groups import SINGLE, TPGroup
 from moeserve.sampling import Sampler, SamplingError, SamplingParams, is_device_error
 
 # CPU default of --long-prefill-token-threshold: requests behind a long prompt wait for one
@@ -592,7 +592,7 @@ def build_rank(cfg: EngineConfig, tp: TPGroup, device: str) -> ModelRunner:
 def _with_communicator(cfg: EngineConfig, tp: TPGroup, device: str, dtype: torch.dtype) -> TPGroup:
     """The group's all-reduce implementation, chosen collectively before the model is built
     (the layers keep the group they are built with)."""
-    from moeserve.dist.comm import create_communicator
+    from moeserve.parallel.comm import create_communicator
 
     comm = create_communicator(
         tp.group,

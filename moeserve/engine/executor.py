@@ -18,9 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from moeserve.dist.broadcast import DistChannel, ShmChannel
 from moeserve.engine.runner import ModelRunner
 from moeserve.engine.step import StepInput, stop_message
+from moeserve.parallel.broadcast import DistChannel, ShmChannel
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ import numpy as np
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.engine.cuda_graphs import DecodeGraphs, graph_blockers
 from moeserve.engine.memory import MemoryPlan, plan_kv_pages
 from moeserve.engine.step import StepInput, iter_page_updates
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.loader.base import LoadedModel
+from moeserve.parallel.groups import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
 

@@ -22,15 +22,15 @@ import torch
 import torch.distributed as dist
 
 from moeserve.config import EngineConfig
-from moeserve.dist.broadcast import (
+from moeserve.engine.step import StepInput
+from moeserve.parallel.broadcast import (
     SPIN_S_CPU,
     SPIN_S_GPU,
     ChannelClosed,
     DistChannel,
     ShmChannel,
 )
-from moeserve.dist.parallel import TPGroup
-from moeserve.engine.step import StepInput
+from moeserve.parallel.groups import TPGroup
 
 log = logging.getLogger(__name__)
 

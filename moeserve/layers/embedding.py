@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.layers.quant.base import LinearMethod, make_param, materialize
+from moeserve.parallel.groups import SINGLE, TPGroup
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -76,7 +76,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
             logits = cpu_kernels.linear(h, self.native_weight, torch.float32)
         elif self.batch_invariant and h.is_cuda:
-            from moeserve.kernels.invariant import gemm16
+            from moeserve.kernels.gemm.invariant import gemm16
 
             logits = gemm16(h, self.weight, torch.float32)
         else:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.layers.quant.base import (
     NoQuant,
     QuantConfig,
@@ -18,6 +17,7 @@ from moeserve.layers.quant.base import (
     make_param,
     materialize,
 )
+from moeserve.parallel.groups import SINGLE, TPGroup
 
 ShardId = str | int | None
 

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.kernels import cpu as cpu_kernels
 from moeserve.layers.linear import (
     ColumnParallelLinear,
@@ -51,6 +50,7 @@ from moeserve.layers.quant.base import (
     materialize,
 )
 from moeserve.layers.quant.scheme import WeightScheme, gpu_kernels_enabled
+from moeserve.parallel.groups import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ class DeepseekMLP(nn.Module):
         if native:
             return self.down_proj(cpu_kernels.silu_mul(gu))
         if gu.is_cuda and gu.dim() == 2 and gpu_kernels_enabled(gu.device):
-            from moeserve.kernels.activation import silu_mul
+            from moeserve.kernels.elementwise.activation import silu_mul
 
             return self.down_proj(silu_mul(gu))
         gate, up = gu.chunk(2, dim=-1)
@@ -436,7 +436,7 @@ class RoutedExperts(nn.Module):
         first = next(iter(w13.values()))
         if first.device.type != "cuda" or not gpu_kernels_enabled(first.device):
             return
-        from moeserve.kernels.moe import combine_counters_needed
+        from moeserve.kernels.moe.nvfp4 import combine_counters_needed
 
         self._combine_counters = torch.zeros(
             combine_counters_needed(self._hidden), dtype=torch.int32, device=first.device
@@ -444,7 +444,7 @@ class RoutedExperts(nn.Module):
         e13 = self.w13.scheme.elementwise_view(w13)
         e2 = self.w2.scheme.elementwise_view(self.w2.view())
         if e13 is not None and e2 is not None:
-            from moeserve.kernels.moe_fp8 import check_fp8_moe_shapes
+            from moeserve.kernels.moe.fp8 import check_fp8_moe_shapes
 
             try:
                 check_fp8_moe_shapes(*e13, *e2)
@@ -461,7 +461,7 @@ class RoutedExperts(nn.Module):
         if not self.batch_invariant:
             return {}
         from moeserve.kernels.configs import tile_config
-        from moeserve.kernels.moe_fp8 import tile_table
+        from moeserve.kernels.moe.fp8 import tile_table
 
         w13, s13 = self._elementwise_args[:2]
         key = f"{w13.shape[0]}:{w13.shape[1]}x{w13.shape[2]}"
@@ -504,13 +504,13 @@ class RoutedExperts(nn.Module):
     def shared_dense(self, x: torch.Tensor) -> torch.Tensor:
         """sum_j shared_j(x) [T, H] by dense GPU GEMMs on the shared slots' bank rows (the
         fused kernels' argument views: one merged gate+up GEMM, SiLU*up, down per slot)."""
-        from moeserve.kernels.activation import silu_mul
+        from moeserve.kernels.elementwise.activation import silu_mul
 
         out = None
         for j in range(self.layout.num_shared):
             e = self.layout.num_local + j
             if self._nvfp4_args is not None:
-                from moeserve.kernels.nvfp4_gemm import nvfp4_gemm
+                from moeserve.kernels.gemm.nvfp4_gemm import nvfp4_gemm
 
                 p13, s13, g13, p2, s2, g2 = self._nvfp4_args
                 h = silu_mul(nvfp4_gemm(x, p13[e], s13[e], g13[e]))
@@ -520,7 +520,7 @@ class RoutedExperts(nn.Module):
                 if s13 is None:
                     y = F.linear(silu_mul(F.linear(x, w13[e])), w2[e])
                 else:
-                    from moeserve.kernels.fp8_block_gemm import fp8_block_gemm
+                    from moeserve.kernels.gemm.fp8_block_gemm import fp8_block_gemm
 
                     h = silu_mul(fp8_block_gemm(x, w13[e], s13[e]))
                     y = fp8_block_gemm(h, w2[e], s2[e])
@@ -548,11 +548,11 @@ class RoutedExperts(nn.Module):
         local = self.to_local_ids(ids)
         fused = x.is_cuda and x.dtype == torch.bfloat16
         if fused and self._nvfp4_args is not None:
-            from moeserve.kernels.moe import fused_moe_nvfp4
+            from moeserve.kernels.moe.nvfp4 import fused_moe_nvfp4
 
             schedule = {}
             if self.batch_invariant:
-                from moeserve.kernels import invariant
+                from moeserve.kernels.gemm import invariant
 
                 schedule = dict(
                     kernel="mma",
@@ -570,7 +570,7 @@ class RoutedExperts(nn.Module):
                 **schedule,
             )
         if fused and self._elementwise_args is not None:
-            from moeserve.kernels.moe_fp8 import fused_moe_fp8
+            from moeserve.kernels.moe.fp8 import fused_moe_fp8
 
             return fused_moe_fp8(
                 x.contiguous(),
@@ -638,7 +638,7 @@ class Router(nn.Module):
         self._fp32_out = False
         self.fused_workspace = None
         if w.is_cuda and gpu_kernels_enabled(w.device):
-            from moeserve.kernels.router_fused import (
+            from moeserve.kernels.routing.router_fused import (
                 FUSED_WINS_MAX_TOKENS,
                 RouterFusedWorkspace,
                 fused_route_supported,
@@ -661,7 +661,7 @@ class Router(nn.Module):
         if self.native_weight is not None and x.dtype == torch.bfloat16:
             return cpu_kernels.linear(x, self.native_weight, torch.float32)
         if self.batch_invariant and x.is_cuda and self.weight.dtype == torch.bfloat16:
-            from moeserve.kernels.invariant import gemm16
+            from moeserve.kernels.gemm.invariant import gemm16
 
             return gemm16(x.to(torch.bfloat16), self.weight, torch.float32)
         if self._fp32_out and x.dtype == torch.bfloat16:
@@ -774,8 +774,8 @@ class DeepseekMoE(nn.Module):
         self, x: torch.Tensor, shared_slots: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights fp32 [T, k + S], global expert ids [T, k + S]): one Triton kernel
-        after the gate GEMM on GPUs (kernels/router.py), the GEMV and the routing in one
-        launch where that measured faster (one token, kernels/router_fused.py), the torch
+        after the gate GEMM on GPUs (kernels/routing/router.py), the GEMV and the routing in one
+        launch where that measured faster (one token, kernels/routing/router_fused.py), the torch
         reference elsewhere. The
         S last columns (S = `shared_slots`, default the layer's own) are the shared experts
         (ids E + j, weight 1.0, not scaled by routed_scaling_factor: a separate shared MLP is
@@ -792,7 +792,7 @@ class DeepseekMoE(nn.Module):
         )
         bias = self.gate.e_score_correction_bias
         if self.gate.fused_workspace is not None and not self.gate.batch_invariant:
-            from moeserve.kernels.router_fused import prefer_fused_route, route_fused
+            from moeserve.kernels.routing.router_fused import prefer_fused_route, route_fused
 
             if prefer_fused_route(x, self.gate.weight):  # one launch for GEMV + routing
                 return route_fused(
@@ -806,7 +806,7 @@ class DeepseekMoE(nn.Module):
                 )
         logits = self.gate(x)
         if x.is_cuda and gpu_kernels_enabled(x.device):
-            from moeserve.kernels.router import route
+            from moeserve.kernels.routing.router import route
 
             return route(logits, bias, c.num_experts_per_tok, shared_slots=slots, **kw)
         native = self.gate.native_weight is not None

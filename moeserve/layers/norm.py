@@ -1,8 +1,8 @@
 """RMSNorm (optionally fused with the residual add).
 
 On a GPU with the Triton kernels the norm (and the residual add with it) is one launch
-(`moeserve.kernels.norm`); elsewhere torch's `F.rms_norm`. Both normalise in fp32 and agree
-to one rounding of the activation dtype.
+(`moeserve.kernels.elementwise.norm`); elsewhere torch's `F.rms_norm`. Both normalise in
+fp32 and agree to one rounding of the activation dtype.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm(x), or with `residual`: (RMSNorm(x + residual), x + residual)."""
         if self._kernel_ok(x, residual):
-            from moeserve.kernels.norm import add_rmsnorm, rms_norm
+            from moeserve.kernels.elementwise.norm import add_rmsnorm, rms_norm
 
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from moeserve.config import ConfigError
-from moeserve.loader.base import LoadedModel, LoadError
+from moeserve.errors import LoadError
+from moeserve.loader.base import LoadedModel
 from moeserve.loader.validate import read_json, validate_checkpoint
 
 log = logging.getLogger(__name__)
@@ -171,8 +172,8 @@ def _load(
         )
     if not (Path(path) / "config.json").is_file():
         raise LoadError(f"{path} is neither a .gguf file nor a folder with config.json")
-    from moeserve.dist.parallel import SINGLE
     from moeserve.loader.safetensors import load_safetensors_model
+    from moeserve.parallel.groups import SINGLE
 
     return load_safetensors_model(
         path,

@@ -12,10 +12,6 @@ from moeserve.config import ModelConfig
 from moeserve.tokenizer.base import Tokenizer
 
 
-class LoadError(ValueError):
-    """A model path or checkpoint that cannot be loaded (one clear sentence)."""
-
-
 @dataclass
 class LoadedModel:
     model: nn.Module  # implements the model contract (see models/llama.py)

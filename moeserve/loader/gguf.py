@@ -20,8 +20,9 @@ import torch
 from tqdm import tqdm
 
 from moeserve.config import ConfigError, ModelConfig
-from moeserve.dist.parallel import SINGLE, TPGroup
-from moeserve.loader.base import LoadedModel, LoadError
+from moeserve.errors import LoadError
+from moeserve.loader.base import LoadedModel
+from moeserve.parallel.groups import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ _LLAMA_BLOCK = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_SUPPORTED = {
+SUPPORTED_TYPES = {
     *("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
     *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
 }
@@ -82,7 +83,7 @@ def dequantize(t: Any, index: int | None = None) -> torch.Tensor:
     from gguf import GGMLQuantizationType, quants
 
     kind = GGMLQuantizationType(t.tensor_type)
-    if kind.name not in _SUPPORTED:
+    if kind.name not in SUPPORTED_TYPES:
         raise LoadError(f"GGUF tensor {t.name} uses {kind.name}, which is not supported")
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     data = t.data

@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from moeserve.config import ModelConfig
-from moeserve.loader.base import LoadError
+from moeserve.errors import LoadError
 
 log = logging.getLogger(__name__)
 

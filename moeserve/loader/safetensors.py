@@ -21,16 +21,17 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from moeserve.config import ConfigError, ModelConfig
-from moeserve.dist.parallel import SINGLE, TPGroup
+from moeserve.errors import LoadError
 from moeserve.layers.quant.base import QuantConfig
 from moeserve.layers.quant.parse import (
     QuantConfigError,
     quant_config_from_checkpoint,
     read_checkpoint_quant,
 )
-from moeserve.loader.base import LoadedModel, LoadError
+from moeserve.loader.base import LoadedModel
 from moeserve.models.registry import model_class
 from moeserve.models.weights import finish_loading
+from moeserve.parallel.groups import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
 

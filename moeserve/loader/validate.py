@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from moeserve.loader.base import LoadError
+from moeserve.errors import LoadError
 
 # safetensors
 _ST_MAX_HEADER = 100 << 20  # the format's own limit (the Rust reader refuses more)

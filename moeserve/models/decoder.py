@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.layers.attention.metadata import ForwardContext
+from moeserve.parallel.groups import SINGLE, TPGroup
 
 
 def reduce_add_norm(

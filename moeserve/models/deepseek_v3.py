@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.layers.attention.metadata import ForwardContext
 from moeserve.layers.attention.mla import MLAAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -36,6 +35,7 @@ from moeserve.layers.quant.base import QuantConfig
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.decoder import PreNormDecoderLayer, reduce_add_norm
 from moeserve.models.weights import finish_loading
+from moeserve.parallel.groups import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
 

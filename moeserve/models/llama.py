@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.kernels import cpu as cpu_kernels
 from moeserve.layers.attention.metadata import ForwardContext
 from moeserve.layers.attention.mha import PagedAttention
@@ -20,6 +19,7 @@ from moeserve.layers.quant.base import QuantConfig
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.decoder import PreNormDecoderLayer
 from moeserve.models.weights import finish_loading, load_weights_by_rules
+from moeserve.parallel.groups import SINGLE, TPGroup
 
 
 class LlamaAttention(nn.Module):

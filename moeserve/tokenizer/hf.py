@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as RawTokenizer
 
-from moeserve.loader.base import LoadError
+from moeserve.errors import LoadError
 from moeserve.tokenizer.fast import FastTokenizerWrapper
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from moeserve.check import check_checkpoint
 from moeserve.cli import main
-from moeserve.loader.checkpoint_writer import FORMATS, LIKES, write_checkpoint
+from moeserve.testing.checkpoints import FORMATS, LIKES, write_checkpoint
 
 FORMAT_LINE = {
     "bf16": "format: bfloat16 (unquantized)",

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from moeserve.loader.checkpoint_writer import write_checkpoint
+from moeserve.testing.checkpoints import write_checkpoint
 
 STEPS = 24
 TOKENS = 3 * STEPS

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from moeserve.engine.engine import LLM
-from moeserve.loader.checkpoint_writer import TinyShape, write_checkpoint
 from moeserve.sampling import SamplingParams
+from moeserve.testing.checkpoints import TinyShape, write_checkpoint
 from tests.e2e.conftest import greedy_choice
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from moeserve.engine.engine import LLM
-from moeserve.loader.checkpoint_writer import write_checkpoint
 from moeserve.sampling import SamplingParams
+from moeserve.testing.checkpoints import write_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36], [40]]
 

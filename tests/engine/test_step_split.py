@@ -17,8 +17,8 @@ import torch
 from step_split import PROMPT_LEN, SPLITS, last_logits, random_prompt
 
 from moeserve.engine.engine import LLM
-from moeserve.loader.checkpoint_writer import write_checkpoint
 from moeserve.sampling import SamplingParams
+from moeserve.testing.checkpoints import write_checkpoint
 
 
 @pytest.fixture(scope="module")

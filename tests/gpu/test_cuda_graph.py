@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from moeserve.engine.engine import LLM
-from moeserve.loader.checkpoint_writer import KERNEL_SHAPE, write_checkpoint
 from moeserve.sampling import SamplingParams
+from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -155,7 +155,7 @@ def test_graph_decode_with_mma_moe(tmp_path, monkeypatch):
     to 5 so that its 5-sequence batches exercise the path.)"""
     from dataclasses import replace
 
-    from moeserve.kernels import moe
+    from moeserve.kernels.moe import nvfp4 as moe
 
     table_min_rows = moe.min_rows
     monkeypatch.setattr(

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from moeserve.dist import comm as cm
-from moeserve.kernels import allreduce as ar
+from moeserve.kernels.comm import allreduce as ar
+from moeserve.parallel import comm as cm
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs of one host"

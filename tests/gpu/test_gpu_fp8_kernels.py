@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.kernels import fp8_block_gemm as f8
-from moeserve.kernels.moe_fp8 import fused_moe_fp8, fused_moe_fp8_ref
+from moeserve.kernels.gemm import fp8_block_gemm as f8
+from moeserve.kernels.moe.fp8 import fused_moe_fp8, fused_moe_fp8_ref
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from moeserve.engine.engine import LLM
-from moeserve.loader.checkpoint_writer import KERNEL_SHAPE, write_checkpoint
 from moeserve.sampling import SamplingParams
+from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -82,10 +82,10 @@ def test_gpu_kernels_match_cpu_reference(tmp_path, monkeypatch, kv):
     calls = {
         n: _count_calls(monkeypatch, m, n)
         for m, n in [
-            ("moeserve.kernels.nvfp4_gemm", "nvfp4_gemm"),
-            ("moeserve.kernels.moe", "fused_moe_nvfp4"),
-            ("moeserve.kernels.mla_decode", "mla_decode"),
-            ("moeserve.kernels.kv_cache", "write_mla_cache"),
+            ("moeserve.kernels.gemm.nvfp4_gemm", "nvfp4_gemm"),
+            ("moeserve.kernels.moe.nvfp4", "fused_moe_nvfp4"),
+            ("moeserve.kernels.attention.mla_decode", "mla_decode"),
+            ("moeserve.kernels.attention.kv_cache", "write_mla_cache"),
         ]
     }
     kw = dict(max_model_len=256, kv_cache_dtype=kv)
@@ -126,7 +126,7 @@ def test_gpu_fp8_block_linears_match_cpu_reference(tmp_path, monkeypatch):
     """DeepSeek block-FP8: the linear layers run the Triton FP8 GEMM on the stored weights."""
     path = str(tmp_path / "dsv3")
     write_checkpoint(path, "deepseek-v3", "fp8-block", seed=2)
-    calls = _count_calls(monkeypatch, "moeserve.kernels.fp8_block_gemm", "fp8_block_gemm")
+    calls = _count_calls(monkeypatch, "moeserve.kernels.gemm.fp8_block_gemm", "fp8_block_gemm")
     kw = dict(max_model_len=256)
     cpu = LLM(path, device="cpu", dtype="float32", **kw)
     prompts = [cpu.tokenizer.encode(t, add_special_tokens=False) for t in ("Hello there", "abc")]
@@ -177,7 +177,7 @@ def test_gpu_fp8_block_moe_in_graphs_matches_cpu_reference(tmp_path, monkeypatch
     decode is captured in CUDA graphs, and the tokens follow the fp32 CPU reference."""
     path = str(tmp_path / "dsv3k")
     write_checkpoint(path, "deepseek-v3", "fp8-block", shape=SHAPE, seed=3)
-    calls = _count_calls(monkeypatch, "moeserve.kernels.moe_fp8", "fused_moe_fp8")
+    calls = _count_calls(monkeypatch, "moeserve.kernels.moe.fp8", "fused_moe_fp8")
     _graphs_follow_cpu_reference(path)
     assert calls[0] > 0
 
@@ -192,7 +192,7 @@ def test_gpu_fp8_absorbed_decode_carries_the_cache_write(tmp_path, monkeypatch):
     shape = dataclasses.replace(SHAPE, nope=128, v_dim=128)
     path = str(tmp_path / "dsv3a")
     write_checkpoint(path, "deepseek-v3", "fp8-block", shape=shape, seed=4)
-    absorb = _count_calls(monkeypatch, "moeserve.kernels.mla_absorb", "absorb_gemv")
+    absorb = _count_calls(monkeypatch, "moeserve.kernels.attention.mla_absorb", "absorb_gemv")
     _graphs_follow_cpu_reference(path)
     assert absorb[0] > 0
 
@@ -201,11 +201,13 @@ def test_gpu_gluon_mla_decode_serves_in_graphs(tmp_path, monkeypatch):
     """The Gluon MLA decode kernel inside the engine: 64-token pages and a 4096-token
     capacity make `--mla-decode-kernel auto` choose it (prefer_gluon) for the captured
     decode graphs; the tokens follow the fp32 CPU reference as the Triton kernel's do."""
-    import moeserve.kernels.mla_decode_gluon as mg
+    import moeserve.kernels.attention.mla_decode_gluon as mg
 
     path = str(tmp_path / "kimig")  # Kimi's YaRN factor gives the 4096 positions
     write_checkpoint(path, "kimi-k2.5", "bf16", shape=SHAPE, seed=5)
-    gluon = _count_calls(monkeypatch, "moeserve.kernels.mla_decode_gluon", "mla_decode_gluon")
+    gluon = _count_calls(
+        monkeypatch, "moeserve.kernels.attention.mla_decode_gluon", "mla_decode_gluon"
+    )
     gpu_llm = _graphs_follow_cpu_reference(path, max_model_len=4096, page_size=64)
     scratch = next(
         m._decode_scratch

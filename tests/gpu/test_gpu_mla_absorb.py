@@ -1,5 +1,5 @@
-"""The absorbed MLA products on kv_b_proj's stored weight (kernels/mla_absorb.py) on a GPU, at
-the published shapes (128 or 16 heads, nope = v = 128, kv_lora 512), against per-head fp32
+"""The absorbed MLA products on kv_b_proj's stored weight (kernels/attention/mla_absorb.py) on a
+GPU, at the published shapes (128 or 16 heads, nope = v = 128, kv_lora 512), against per-head fp32
 matmuls on the dequantized weight, for every row count the tables serve and in a CUDA graph.
 
     python3 -m pytest -q tests/gpu/test_gpu_mla_absorb.py
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.kernels import mla_absorb as ma
-from moeserve.kernels.fp8_block_gemm import dequantize_fp8_block, quantize_fp8_block
+from moeserve.kernels.attention import mla_absorb as ma
+from moeserve.kernels.gemm.fp8_block_gemm import dequantize_fp8_block, quantize_fp8_block
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -76,7 +76,7 @@ def test_uk_launch_carries_the_rope_and_cache_write(heads, cache_dtype):
     """The decode rows' rope + cache write inside the W_UK launch against the write's own
     torch reference (padding slot, permuted pages, NaN elsewhere) and the product against
     per-head matmuls."""
-    from moeserve.kernels import kv_cache as kv
+    from moeserve.kernels.attention import kv_cache as kv
     from moeserve.layers.rotary import RotaryEmbedding
 
     w, s, dense = _kv_b(heads, True, seed=11)

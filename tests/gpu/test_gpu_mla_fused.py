@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moeserve.kernels import kv_cache as kvc
-from moeserve.kernels import norm as nk
-from moeserve.kernels import router as rk
+from moeserve.kernels.attention import kv_cache as kvc
+from moeserve.kernels.elementwise import norm as nk
+from moeserve.kernels.routing import router as rk
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.loader import load_model
-from moeserve.loader.checkpoint_writer import KERNEL_SHAPE, write_checkpoint
+from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -1,4 +1,4 @@
-"""The Gluon MLA decode kernel (kernels/mla_decode_gluon.py) on a Hopper GPU against the
+"""The Gluon MLA decode kernel (kernels/attention/mla_decode_gluon.py) on a Hopper GPU against the
 fp32 torch reference ``mla_decode_ref``.
 
 Oracle independence: the reference gathers the rows with torch indexing and runs a plain
@@ -23,14 +23,14 @@ import sys
 import pytest
 import torch
 
-from moeserve.kernels import mla_decode as md
+from moeserve.kernels.attention import mla_decode as md
 from tests.kernels.mla_cases import check_split_slots, make_case, poison_workspace
 
 _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not _HOPPER, reason="needs an sm_90 (Hopper) GPU")
 
 if _HOPPER:
-    from moeserve.kernels import mla_decode_gluon as mg
+    from moeserve.kernels.attention import mla_decode_gluon as mg
 
 DEV = "cuda"
 SM_SCALE = 0.1352
@@ -207,7 +207,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
-from moeserve.kernels import mla_decode_gluon as mg
+from moeserve.kernels.attention import mla_decode_gluon as mg
 
 def build(small, direct):
     fn = mg._mla_decode_gluon_small_kernel if small else mg._mla_decode_gluon_kernel
@@ -260,7 +260,7 @@ def test_kernels_compile_for_sm90_offline(tmp_path):
     wgmma (the 64-row kernel: 36 k-steps of q @ k^T + 4 of p @ v; the few-head one: 36 +
     32), and the outputs leave as 16-byte stores."""
     pytest.importorskip("triton.experimental.gluon")
-    from moeserve.kernels import mla_decode_gluon as mg_host
+    from moeserve.kernels.attention import mla_decode_gluon as mg_host
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.getcwd() + os.pathsep + env.get("PYTHONPATH", "")

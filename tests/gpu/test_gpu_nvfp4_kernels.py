@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.kernels import moe
-from moeserve.kernels import nvfp4_format as fmt
-from moeserve.kernels import nvfp4_gemm as nv
+from moeserve.kernels.gemm import nvfp4_format as fmt
+from moeserve.kernels.gemm import nvfp4_gemm as nv
+from moeserve.kernels.moe import nvfp4 as moe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -1,4 +1,4 @@
-"""The one-launch router (kernels/router_fused.py) compiled on a GPU at the published sizes
+"""The one-launch router (kernels/routing/router_fused.py) compiled on a GPU at the published sizes
 (H 7168; DeepSeek-V3: 256 experts in 8 groups keeping 4, Kimi: 384 experts, top-8, bias,
 sigmoid, noaux_tc), against the torch fp32 reference (select_experts / route_ref on
 x.double() @ W.double().T) and the model's two-launch path (Router.forward + route); then a
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.kernels import router as rk
-from moeserve.kernels import router_fused as rf
+from moeserve.kernels.routing import router as rk
+from moeserve.kernels.routing import router_fused as rf
 from moeserve.layers.moe import Router, select_experts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from moeserve.config import ModelConfig
-from moeserve.dist.parallel import SINGLE
 from moeserve.layers.quant.parse import quant_config_from_checkpoint
-from moeserve.loader.checkpoint_writer import KERNEL_SHAPE, write_checkpoint
 from moeserve.loader.safetensors import checkpoint_files, iterate_tensors
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moeserve.parallel.groups import SINGLE
+from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

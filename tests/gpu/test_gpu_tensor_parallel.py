@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.dist.comm import NO_MULTICAST_ENV
-from moeserve.loader.checkpoint_writer import KERNEL_SHAPE, write_checkpoint
+from moeserve.parallel.comm import NO_MULTICAST_ENV
+from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
 from tests.e2e.conftest import CliServer, greedy_choice
 
 pytestmark = pytest.mark.skipif(

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # not imported at run time: the kernel tests set up triton first
-    from moeserve.kernels.mla_decode import MLADecodeWorkspace
+    from moeserve.kernels.attention.mla_decode import MLADecodeWorkspace
 
 LATENT = 576  # kv_lora_rank 512 + rope 64
 FP8 = torch.float8_e4m3fn

@@ -7,7 +7,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is impor
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from moeserve.kernels.activation import silu_mul  # noqa: E402
+from moeserve.kernels.elementwise.activation import silu_mul  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from moeserve.kernels import e2m1_ptx, nvfp4_gemm, nvfp4_gemv, nvfp4_gemv_mma
+from moeserve.kernels.gemm import e2m1_ptx, nvfp4_gemm, nvfp4_gemv, nvfp4_gemv_mma
 
 # OCP MX spec, code -> value with the sign in bit 3, written out instead of derived.
 E2M1_BY_CODE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -7,7 +7,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is impor
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from moeserve.kernels import fp8_block_gemm as f8  # noqa: E402
+from moeserve.kernels.gemm import fp8_block_gemm as f8  # noqa: E402
 
 
 def test_dequantize_applies_each_block_scale():
@@ -86,7 +86,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moeserve.kernels import fp8_block_gemm as f8
+from moeserve.kernels.gemm import fp8_block_gemm as f8
 
 def ptx(stages):
     sig = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*fp32", out_ptr="*bf16", ws_ptr="*fp32",

@@ -1,4 +1,4 @@
-"""The batch-invariant 16-bit GEMM (kernels/invariant.py, CPU interpreter) against an fp64
+"""The batch-invariant 16-bit GEMM (kernels/gemm/invariant.py, CPU interpreter) against an fp64
 reference: plain and batched, transposed weight views (the absorbed MLA products read
 kv_b_proj's dense weight through them), bf16 and fp32 outputs, ragged sizes."""
 
@@ -9,7 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is impor
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from moeserve.kernels.invariant import gemm16  # noqa: E402
+from moeserve.kernels.gemm.invariant import gemm16  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
 
 install_interpreter_shims()

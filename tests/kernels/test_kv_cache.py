@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import moeserve.kernels.kv_cache as kv_cache_mod  # noqa: E402
+import moeserve.kernels.attention.kv_cache as kv_cache_mod  # noqa: E402
 
 
 def _interpreter_fp8_rounding_shim() -> None:

@@ -8,8 +8,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is impor
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from moeserve.kernels import mla_absorb as ma  # noqa: E402
-from moeserve.kernels.fp8_block_gemm import dequantize_fp8_block, quantize_fp8_block  # noqa: E402
+from moeserve.kernels.attention import mla_absorb as ma  # noqa: E402
+from moeserve.kernels.gemm.fp8_block_gemm import dequantize_fp8_block, quantize_fp8_block  # noqa: E402
 
 NOPE, ROPE, V, LAT = 128, 64, 128, 512
 

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import moeserve.kernels.mla_decode as mla_decode_mod  # noqa: E402
+import moeserve.kernels.attention.mla_decode as mla_decode_mod  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
 from tests.kernels.mla_cases import (  # noqa: E402
     check_split_slots,

@@ -19,10 +19,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import moeserve.kernels.kv_cache as kv_mod  # noqa: E402
-import moeserve.kernels.mla_decode as dec_mod  # noqa: E402
-import moeserve.kernels.mla_prefill as pre_mod  # noqa: E402
-import moeserve.kernels.norm as norm_mod  # noqa: E402
+import moeserve.kernels.attention.kv_cache as kv_mod  # noqa: E402
+import moeserve.kernels.attention.mla_decode as dec_mod  # noqa: E402
+import moeserve.kernels.attention.mla_prefill as pre_mod  # noqa: E402
+import moeserve.kernels.elementwise.norm as norm_mod  # noqa: E402
 from moeserve.config import ModelConfig  # noqa: E402
 from moeserve.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402

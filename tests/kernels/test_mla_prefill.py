@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import moeserve.kernels.mla_prefill as mla_prefill_mod  # noqa: E402
+import moeserve.kernels.attention.mla_prefill as mla_prefill_mod  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
 from tests.kernels.mla_cases import make_case  # noqa: E402
 

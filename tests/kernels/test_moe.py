@@ -7,9 +7,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is impor
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from moeserve.kernels import moe  # noqa: E402
-from moeserve.kernels.nvfp4_format import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
-from moeserve.kernels.nvfp4_gemm import DECODE_ARITH, DECODE_BITS  # noqa: E402
+from moeserve.kernels.gemm.nvfp4_format import dequantize_nvfp4, quantize_nvfp4  # noqa: E402
+from moeserve.kernels.gemm.nvfp4_gemm import DECODE_ARITH, DECODE_BITS  # noqa: E402
+from moeserve.kernels.moe import nvfp4 as moe  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
 
 install_interpreter_shims()  # the one-token combine loops over a run-time slot count

@@ -8,8 +8,8 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is impor
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from moeserve.kernels.fp8_block_gemm import quantize_fp8_block  # noqa: E402
-from moeserve.kernels.moe_fp8 import check_fp8_moe_shapes, fused_moe_fp8  # noqa: E402
+from moeserve.kernels.gemm.fp8_block_gemm import quantize_fp8_block  # noqa: E402
+from moeserve.kernels.moe.fp8 import check_fp8_moe_shapes, fused_moe_fp8  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
 
 install_interpreter_shims()  # the one-token combine loops over a run-time slot count

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import moeserve.kernels.norm as norm_mod  # noqa: E402
+import moeserve.kernels.elementwise.norm as norm_mod  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
 from tests.kernels.rounding_shim import install_bf16_rounding_shim  # noqa: E402
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve.kernels import nvfp4_format as fmt
+from moeserve.kernels.gemm import nvfp4_format as fmt
 from moeserve.loader import checkpoint_writer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,15 +152,15 @@ def _imported_after(module: str) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["moeserve.kernels.nvfp4_gemv", "moeserve.kernels.nvfp4_gemv_mma"]
+    "module", ["moeserve.kernels.gemm.nvfp4_gemv", "moeserve.kernels.gemm.nvfp4_gemv_mma"]
 )
 def test_gemvs_do_not_import_the_gemm(module):
-    assert "moeserve.kernels.nvfp4_gemm" not in _imported_after(module)
+    assert "moeserve.kernels.gemm.nvfp4_gemm" not in _imported_after(module)
 
 
 def test_format_needs_no_triton():
-    loaded = _imported_after("moeserve.kernels.nvfp4_format")
-    assert "triton" not in loaded and "moeserve.kernels.splitk" not in loaded
+    loaded = _imported_after("moeserve.kernels.gemm.nvfp4_format")
+    assert "triton" not in loaded and "moeserve.kernels.gemm.splitk" not in loaded
 
 
 @pytest.mark.parametrize("mma", [False, True])
@@ -168,8 +168,8 @@ def test_format_needs_no_triton():
 def test_plan_picks_what_each_call_would(monkeypatch, mma, n, k):
     # The plan a layer builds once must agree with the per-call choice at every row count
     # (tiles.json has shape-specific tables for 7168x2048 and 7168x8192).
-    from moeserve.kernels import nvfp4_gemm as nv
     from moeserve.kernels.configs import tile_config
+    from moeserve.kernels.gemm import nvfp4_gemm as nv
 
     monkeypatch.setattr(nv, "gemv_mma_enabled", lambda device: mma)
     packed = torch.zeros(n, k // 2, dtype=torch.uint8)
@@ -182,7 +182,7 @@ def test_plan_picks_what_each_call_would(monkeypatch, mma, n, k):
 
 
 def test_gemm_with_a_plan_matches_without():
-    from moeserve.kernels import nvfp4_gemm as nv
+    from moeserve.kernels.gemm import nvfp4_gemm as nv
 
     gen = torch.Generator().manual_seed(5)
     packed, scale, gs = fmt.quantize_nvfp4(torch.randn(40, 96, generator=gen))

@@ -11,9 +11,9 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from moeserve.kernels import nvfp4_format as fmt  # noqa: E402
-from moeserve.kernels import nvfp4_gemm as nv  # noqa: E402
-from moeserve.kernels import splitk  # noqa: E402
+from moeserve.kernels.gemm import nvfp4_format as fmt  # noqa: E402
+from moeserve.kernels.gemm import nvfp4_gemm as nv  # noqa: E402
+from moeserve.kernels.gemm import splitk  # noqa: E402
 from moeserve.kernels.select import select_kernel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -214,7 +214,7 @@ def test_gemv_matches_reference(m, n, k, cfg, decode):
 
 
 def test_gemv_is_the_default_for_one_row(monkeypatch):
-    from moeserve.kernels import nvfp4_gemv
+    from moeserve.kernels.gemm import nvfp4_gemv
 
     calls = []
     monkeypatch.setattr(nvfp4_gemv, "nvfp4_gemv", lambda *a: calls.append(a) or a[4])
@@ -273,7 +273,7 @@ def test_probe_case_is_exact(decode):
 @pytest.mark.parametrize("m,n,k", [(3, 40, 96), (50, 70, 528)])
 def test_dequant_matmul_matches_reference(m, n, k, monkeypatch):
     # The prefill path: bf16 weight chunks (forced small, so several chunks run) + a matmul.
-    from moeserve.kernels import nvfp4_gemv
+    from moeserve.kernels.gemm import nvfp4_gemv
 
     monkeypatch.setattr(nvfp4_gemv, "DEQUANT_CHUNK_ELEMS", 32 * k)
     x, packed, scale, gs = _case(m, n, k, seed=7)
@@ -305,7 +305,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moeserve.kernels import nvfp4_gemv as g
+from moeserve.kernels.gemm import nvfp4_gemv as g
 
 def ptx(pdl):
     sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", gs_ptr="*fp32", out_ptr="*bf16",

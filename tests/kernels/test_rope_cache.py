@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import moeserve.kernels.kv_cache as kv_mod  # noqa: E402
+import moeserve.kernels.attention.kv_cache as kv_mod  # noqa: E402
 from moeserve.config import RopeScaling  # noqa: E402
 from moeserve.layers.rotary import RotaryEmbedding  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
@@ -151,8 +151,8 @@ def test_absorbed_uk_launch_carries_the_rope_and_cache_write(tokens, heads, page
     """Decode rows: mla_absorb's W_UK launch also ropes q_pe and writes the cache (no launch
     of its own). Oracles: the write's torch reference, and per-head fp32 matmuls on the
     dequantized kv_b_proj weight for the product."""
-    from moeserve.kernels import fp8_block_gemm as f8
-    from moeserve.kernels import mla_absorb as ma
+    from moeserve.kernels.attention import mla_absorb as ma
+    from moeserve.kernels.gemm import fp8_block_gemm as f8
 
     if ma.rope_write_program is not kv_mod.rope_write_program:  # follow the reload above
         ma = importlib.reload(ma)

@@ -1,9 +1,9 @@
-"""The one-launch router (gate GEMV + routing, kernels/router_fused.py) on the Triton CPU
+"""The one-launch router (gate GEMV + routing, kernels/routing/router_fused.py) on the Triton CPU
 interpreter, against the torch fp32 reference: select_experts on x.float() @ W.float().T (the
 model's routing), route_ref on the same logits (same tie rule, same column order), and
-kernels/router.py's route on the kernel's own logits (identical routing decisions). DeepSeek-V3
-and Kimi routing at a small hidden size, every T up to FUSED_MAX_TOKENS, shared slots, repeated
-calls through one workspace (the arrival counter must come back to zero)."""
+kernels/routing/router.py's route on the kernel's own logits (identical routing decisions).
+DeepSeek-V3 and Kimi routing at a small hidden size, every T up to FUSED_MAX_TOKENS, shared
+slots, repeated calls through one workspace (the arrival counter must come back to zero)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import moeserve.kernels.router as router_mod  # noqa: E402
-import moeserve.kernels.router_fused as fused_mod  # noqa: E402
+import moeserve.kernels.routing.router as router_mod  # noqa: E402
+import moeserve.kernels.routing.router_fused as fused_mod  # noqa: E402
 from moeserve.layers.moe import select_experts  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
 
@@ -101,7 +101,8 @@ def _check_against_references(x, gw, bias, c, w, ids, ws, slots: int) -> None:
     ref = _ref_logits(x, gw)
     # 1. the GEMV: fp32 logits within summation-order noise of the fp64 reference
     torch.testing.assert_close(ws.logits[:tokens], ref, rtol=1e-5, atol=1e-5)
-    # 2. routing semantics: route (kernels/router.py) on the kernel's own logits, same columns
+    # 2. routing semantics: route (kernels/routing/router.py) on the kernel's own logits, same
+    # columns
     rw, rids = router_mod.route(ws.logits[:tokens].clone(), bias, k, shared_slots=slots, **kw)
     assert torch.equal(ids, rids)
     torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-7)

@@ -14,15 +14,15 @@ import torch
 from moeserve.layers.moe import DeepseekMoE
 from moeserve.layers.quant.base import UnquantizedLinearMethod
 from moeserve.layers.quant.scheme import SchemeLinearMethod, dense_weight
-from moeserve.loader.checkpoint_writer import (
+from moeserve.loader.safetensors import load_safetensors_model
+from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moeserve.testing.checkpoints import (
     FORMATS,
     LIKES,
     add_make_checkpoint_arguments,
     run_make_checkpoint,
     write_checkpoint,
 )
-from moeserve.loader.safetensors import load_safetensors_model
-from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tests.models.helpers import PagedRunner
 
 BANK_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from moeserve.loader import default_model_path
-from moeserve.loader.checkpoint_writer import write_checkpoint
+from moeserve.testing.checkpoints import write_checkpoint
 
 # the process never allocates what a corrupt header declares (the GGUF cases copy a 100 MB
 # file; nothing of the declared 2^60-byte sizes is ever allocated)

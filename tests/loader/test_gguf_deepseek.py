@@ -20,12 +20,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moeserve.config import ModelConfig
-from moeserve.dist.parallel import TPGroup
+from moeserve.errors import LoadError
 from moeserve.loader import load_model
-from moeserve.loader.base import LoadError
-from moeserve.loader.checkpoint_writer import write_kimi_tokenizer
 from moeserve.loader.gguf import dequantize, load_gguf_model
 from moeserve.loader.gguf_deepseek import deepseek2_hf_config
+from moeserve.parallel.groups import TPGroup
+from moeserve.testing.checkpoints import write_kimi_tokenizer
 from tests.loader.gguf_fixtures import (
     ASSISTANT,
     USER,
@@ -243,8 +243,8 @@ def test_kimi_k2_vocabulary_matches_kimi_tokenizer(files):
     pre-tokenizer "kimi-k2"; our tokenizer over them equals the tiktoken one."""
     from gguf import GGUFReader
 
-    from moeserve.loader.checkpoint_writer import SAMPLE_TEXT
     from moeserve.loader.gguf import read_metadata
+    from moeserve.testing.checkpoints import SAMPLE_TEXT
     from moeserve.tokenizer.gguf_vocab import build_gguf_tokenizer
     from moeserve.tokenizer.kimi import KimiTokenizer
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moeserve.kernels.nvfp4_format import dequantize_nvfp4
+from moeserve.kernels.gemm.nvfp4_format import dequantize_nvfp4
 from moeserve.layers.quant.base import UnquantizedLinearMethod
 from moeserve.layers.quant.scheme import SchemeLinearMethod
 from moeserve.loader.safetensors import load_safetensors_model
@@ -85,7 +85,7 @@ def exported(tmp_path_factory):
         mtq.quantize(hf, mtq.NVFP4_DEFAULT_CFG, calibrate)
         export.export_hf_checkpoint(hf, export_dir=folder)
     # the tiny tokenizer of a deepseek-v3 make-checkpoint folder (modelopt writes none)
-    from moeserve.loader.checkpoint_writer import write_deepseek_tokenizer
+    from moeserve.testing.checkpoints import write_deepseek_tokenizer
 
     write_deepseek_tokenizer(folder, 50)
     return folder, cfgd

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moeserve.dist.parallel import TPGroup
-from moeserve.loader.checkpoint_writer import TinyShape, write_checkpoint
 from moeserve.loader.safetensors import load_safetensors_model
+from moeserve.parallel.groups import TPGroup
+from moeserve.testing.checkpoints import TinyShape, write_checkpoint
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 STEPS = 8

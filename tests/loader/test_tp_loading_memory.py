@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from moeserve.dist.parallel import TPGroup
-from moeserve.loader.checkpoint_writer import TinyShape, write_checkpoint
 from moeserve.loader.safetensors import ReadStats, load_safetensors_model
+from moeserve.parallel.groups import TPGroup
+from moeserve.testing.checkpoints import TinyShape, write_checkpoint
 
 SHAPE = TinyShape(layers=3, experts=8, hidden=128, heads=4, moe_intermediate=64)
 

@@ -20,13 +20,13 @@ from moeserve.layers.linear import MergedReplicatedLinear, ReplicatedLinear
 from moeserve.layers.quant.fp8_block import Fp8BlockConfig
 from moeserve.layers.quant.nvfp4 import CompressedTensorsNvfp4Config, ModelOptNvfp4Config
 from moeserve.layers.quant.parse import quant_config_from_checkpoint
-from moeserve.loader.checkpoint_writer import (
+from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moeserve.testing.checkpoints import (
     TinyShape,
     _modelopt_global,
     quantize_nvfp4_with_global,
     write_checkpoint,
 )
-from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tests.models.helpers import PagedRunner
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 40, 41]

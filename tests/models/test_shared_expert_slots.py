@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from moeserve.config import ModelConfig
-from moeserve.dist.parallel import TPGroup
-from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block, quantize_fp8_block
+from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block, quantize_fp8_block
 from moeserve.layers.moe import DeepseekMLP, DeepseekMoE, shared_expert_slots
 from moeserve.layers.quant.base import NoQuant
 from moeserve.layers.quant.fp8_block import Fp8BlockConfig
-from moeserve.loader.checkpoint_writer import write_checkpoint
 from moeserve.loader.safetensors import load_safetensors_model
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moeserve.parallel.groups import TPGroup
+from moeserve.testing.checkpoints import write_checkpoint
 from tests.models.helpers import PagedRunner, build_hf_model, tiny_hf_config
 
 TOL = 1e-3

@@ -8,7 +8,7 @@ import json
 import pytest
 import regex
 
-from moeserve.loader.checkpoint_writer import write_deepseek_tokenizer, write_kimi_tokenizer
+from moeserve.testing.checkpoints import write_deepseek_tokenizer, write_kimi_tokenizer
 from moeserve.tokenizer.fast import FastTokenizerWrapper
 from moeserve.tokenizer.hf import load_hf_tokenizer
 from moeserve.tokenizer.kimi import PAT_STR, KimiTokenizer

@@ -9,7 +9,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from moeserve.dist.broadcast import ChannelClosed, ShmChannel
+from moeserve.parallel.broadcast import ChannelClosed, ShmChannel
 
 CAPACITY = 64  # bytes: 8 int64 per chunk, so most messages below take several chunks
 

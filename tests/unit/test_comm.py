@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from moeserve.dist import comm as cm
-from moeserve.kernels import allreduce as ar
+from moeserve.kernels.comm import allreduce as ar
+from moeserve.parallel import comm as cm
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 40  # not a power of two: masked tail in every row
@@ -333,7 +333,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moeserve.kernels import allreduce as ar
+from moeserve.kernels.comm import allreduce as ar
 
 def ptx(protocol, world):
     sig = {n: "*bf16" for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")}

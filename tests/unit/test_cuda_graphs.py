@@ -188,7 +188,7 @@ def _interpreted(fn) -> bool:
 
 
 def test_mla_scratch_views_match_the_kernel_default_and_padding_reads_nothing():
-    import moeserve.kernels.mla_decode as md
+    import moeserve.kernels.attention.mla_decode as md
     from tests.kernels.mla_cases import make_case
 
     heads, ctx = 16, 1024
@@ -220,8 +220,8 @@ def test_mla_scratch_views_match_the_kernel_default_and_padding_reads_nothing():
 def test_mla_scratch_sizes_for_the_gluon_kernel_where_it_is_preferred():
     # With the Gluon kernel available (decided once per cache), launches where it measured
     # faster take it with its own split count, and the scratch holds those partials too.
-    import moeserve.kernels.mla_decode as md
-    import moeserve.kernels.mla_decode_gluon as mg
+    import moeserve.kernels.attention.mla_decode as md
+    import moeserve.kernels.attention.mla_decode_gluon as mg
 
     heads, ctx = 16, 32768
     scratch = MLADecodeScratch.allocate(
@@ -242,8 +242,8 @@ def test_mla_scratch_sizes_for_the_gluon_kernel_where_it_is_preferred():
 
 @pytest.mark.parametrize(("m", "kernel"), [(3, "gemv"), (3, "mma"), (17, "mma")])
 def test_shared_splitk_workspace_fits_the_kernels(m, kernel):
-    import moeserve.kernels.nvfp4_format as fmt
-    import moeserve.kernels.nvfp4_gemm as nv
+    import moeserve.kernels.gemm.nvfp4_format as fmt
+    import moeserve.kernels.gemm.nvfp4_gemm as nv
 
     shared: dict = {}
     small = shared_splitk_workspace(shared, 4, 48, "cpu")
@@ -269,8 +269,8 @@ def test_shared_splitk_workspace_fits_the_kernels(m, kernel):
 
 def test_mla_kernel_check_accepts_the_reference_and_rejects_wrong_or_failing_kernels():
     # the start-up probe's comparison (the Gluon kernel itself needs an sm_90 GPU: tests/gpu)
-    import moeserve.kernels.mla_decode as md
-    import moeserve.kernels.mla_decode_gluon as mg
+    import moeserve.kernels.attention.mla_decode as md
+    import moeserve.kernels.attention.mla_decode_gluon as mg
 
     cpu = torch.device("cpu")
 

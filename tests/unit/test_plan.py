@@ -231,7 +231,7 @@ def test_cli_usage_errors(capsys):
 
 
 def test_index_total_is_shown(tmp_path, capsys):
-    from moeserve.loader.checkpoint_writer import write_checkpoint
+    from moeserve.testing.checkpoints import write_checkpoint
 
     write_checkpoint(str(tmp_path / "ck"), "deepseek-v3", "fp8-block")
     index = json.loads((tmp_path / "ck/model.safetensors.index.json").read_text())
@@ -318,7 +318,7 @@ def test_gpu_table_has_the_planned_kinds():
 
 
 def test_choices_follow_what_the_checkpoint_quantizes(tmp_path):
-    from moeserve.loader.checkpoint_writer import write_checkpoint
+    from moeserve.testing.checkpoints import write_checkpoint
 
     # the writer's Kimi NVFP4 layout quantizes the routed experts only: no NVFP4 linears
     write_checkpoint(str(tmp_path / "k"), "kimi-k2.5", "nvfp4-modelopt")

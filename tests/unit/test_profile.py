@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moeserve.engine.profile import Kernel, Span, attribute_kernels, component_of, labelled
-from moeserve.loader.checkpoint_writer import write_checkpoint
+from moeserve.testing.checkpoints import write_checkpoint
 
 
 def test_kernels_belong_to_the_scopes_open_at_their_launch():
@@ -54,7 +54,7 @@ def test_component_rules():
 
 
 def test_every_one_shot_all_reduce_kernel_counts_as_all_reduce():
-    from moeserve.kernels import allreduce as ar
+    from moeserve.kernels.comm import allreduce as ar
 
     for kernel in (ar._flag_kernel, ar._lamport_kernel):  # the names CUPTI reports
         assert component_of("router", kernel.fn.__name__, None) == "all-reduce"

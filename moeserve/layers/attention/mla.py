@@ -22,7 +22,7 @@ Two execution paths:
   (where the W_UK kernel serves, decode-sized batches on block-FP8, that launch is its own) ->
   the leading single-token sequences through the split-KV decode kernel, the rest (prefill
   chunks over their cached context) through the prefill kernel -> W_UV product. The two
-  products read kv_b_proj as stored (block-FP8 or 16-bit, kernels/mla_absorb.py) for
+  products read kv_b_proj as stored (block-FP8 or 16-bit, kernels/attention/mla_absorb.py) for
   decode-sized batches, else run as bmm on its dense weight. Strided views instead of
   copies throughout; no host syncs (CUDA-graph capturable).
 - native CPU kernels (bf16 cache; `use_native_cpu`): the absorbed form for every row, decode
@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.dist.parallel import SINGLE, TPGroup
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.layers.linear import (
     ColumnParallelLinear,
@@ -62,10 +61,11 @@ from moeserve.layers.quant.base import (
 )
 from moeserve.layers.quant.scheme import SchemeLinearMethod, dense_weight, gpu_kernels_enabled
 from moeserve.layers.rotary import RotaryEmbedding, yarn_mscale
+from moeserve.parallel.groups import SINGLE, TPGroup
 
 if TYPE_CHECKING:
-    from moeserve.kernels.kv_cache import CacheWrite
-    from moeserve.kernels.mla_decode import MLADecodeWorkspace
+    from moeserve.kernels.attention.kv_cache import CacheWrite
+    from moeserve.kernels.attention.mla_decode import MLADecodeWorkspace
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class MLADecodeScratch:
     """Split-KV partials of the decode kernels, shared by all MLA layers of a model (their
     calls are stream-ordered). One flat buffer, viewed per batch, so a captured graph uses
     fixed addresses; sized for every batch <= max_batch at the largest context. `gluon`:
-    the Gluon kernel (kernels/mla_decode_gluon.py) can serve the cache, decided once at
+    the Gluon kernel (kernels/attention/mla_decode_gluon.py) can serve the cache, decided once at
     allocation (--mla-decode-kernel); which kernel serves a batch then follows from static
     sizes only."""
 
@@ -122,10 +122,10 @@ class MLADecodeScratch:
         """(decode kernel, its default split count) for a launch of these static sizes: the
         Gluon kernel where it serves the cache and is asked for ("always") or measured
         faster ("prefer"), else the Triton one."""
-        from moeserve.kernels import mla_decode as md
+        from moeserve.kernels.attention import mla_decode as md
 
         if gluon is not None:
-            from moeserve.kernels import mla_decode_gluon as mg
+            from moeserve.kernels.attention import mla_decode_gluon as mg
 
             if gluon == "always" or mg.prefer_gluon(batch, num_heads, max_context):
                 splits = mg.gluon_default_num_splits(batch, num_heads, max_context, sm_count)
@@ -144,7 +144,7 @@ class MLADecodeScratch:
         sm_count: int,
         gluon: str | None = None,
     ) -> MLADecodeScratch:
-        from moeserve.kernels.mla_decode import KV_LORA_RANK
+        from moeserve.kernels.attention.mla_decode import KV_LORA_RANK
 
         rows = max(
             b * cls.plan(b, num_heads, max_context, sm_count, gluon)[1]
@@ -161,7 +161,7 @@ class MLADecodeScratch:
     ) -> tuple[Callable, MLADecodeWorkspace, int] | None:
         """(decode kernel, workspace view, num_splits) for this batch, or None if it does not
         fit."""
-        from moeserve.kernels.mla_decode import KV_LORA_RANK, MLADecodeWorkspace
+        from moeserve.kernels.attention.mla_decode import KV_LORA_RANK, MLADecodeWorkspace
 
         kernel, splits = self.plan(batch, self.num_heads, max_context, self.sm_count, self.gluon)
         n = batch * self.num_heads * splits
@@ -253,7 +253,7 @@ class MLAAttention(nn.Module):
         self._native_absorb: tuple[list, list] | None = None
         self._native_ok = False
         # --deterministic on GPUs: every row through the prefill kernel, absorbed products by
-        # the batch-invariant GEMM (kernels/invariant.py)
+        # the batch-invariant GEMM (kernels/gemm/invariant.py)
         self.batch_invariant = False
 
     # ---- cache contract used by the runner ------------------------------------------------
@@ -299,7 +299,7 @@ class MLAAttention(nn.Module):
         (auto: where it measured faster), "always" (gluon), or None (triton, a cache it
         cannot serve: FP8, a page size not a multiple of 64, not sm_90; or its start-up probe
         against the reference failed here)."""
-        from moeserve.kernels.mla_decode_gluon import gluon_mla_supported, probe_gluon_mla
+        from moeserve.kernels.attention.mla_decode_gluon import gluon_mla_supported, probe_gluon_mla
 
         if choice == "triton":
             return None
@@ -349,7 +349,7 @@ class MLAAttention(nn.Module):
     def _kernels(self, t: torch.Tensor) -> bool:
         """The Triton MLA kernels serve CUDA tensors of the published 512 + 64 layout with
         DeepSeek's interleaved RoPE."""
-        from moeserve.kernels.mla_decode import KV_LORA_RANK, ROPE_DIM
+        from moeserve.kernels.attention.mla_decode import KV_LORA_RANK, ROPE_DIM
 
         rot = self.rotary[0]
         fits = (
@@ -398,10 +398,11 @@ class MLAAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope :]
 
     def _stored_absorb_weight(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """kv_b_proj as stored, when the absorbed-product kernels (kernels/mla_absorb.py) read
-        that format: block-FP8 with 128x128 scales or 16-bit. Decided once per layer."""
+        """kv_b_proj as stored, when the absorbed-product kernels
+        (kernels/attention/mla_absorb.py) read that format: block-FP8 with 128x128 scales or
+        16-bit. Decided once per layer."""
         if self._absorb_stored is None:
-            from moeserve.kernels.mla_absorb import check_absorb_weight
+            from moeserve.kernels.attention.mla_absorb import check_absorb_weight
 
             self._absorb_stored = False
             layer = self.kv_b_proj
@@ -425,10 +426,10 @@ class MLAAttention(nn.Module):
         """out = the absorbed product `mode` ("uk": q_nope @ W_UK, "uv": o_lat @ W_UV^T) of
         x [T, h, *]: the kernel on the stored weight for decode-sized T, else bmm on the
         dense weight. True where the kernel ran, and then it also did `cache_write`."""
-        from moeserve.kernels.mla_absorb import absorb_gemv, absorb_max_rows
+        from moeserve.kernels.attention.mla_absorb import absorb_gemv, absorb_max_rows
 
         if self.batch_invariant:  # per head x [T, *] @ W^T by the batch-invariant GEMM
-            from moeserve.kernels.invariant import gemm16
+            from moeserve.kernels.gemm.invariant import gemm16
 
             w_uk, w_uv = self._absorb_weights(x.dtype)
             w = w_uk.transpose(1, 2) if mode == "uk" else w_uv  # [h, N, K] views
@@ -468,7 +469,7 @@ class MLAAttention(nn.Module):
             qn, kvn = self.q_a_layernorm, self.kv_a_layernorm
             norm_kernels = self.use_kernels or use_norm_kernels(qkv)  # as RMSNorm decides
             if norm_kernels and qkv.dtype == qn.weight.dtype == kvn.weight.dtype:
-                from moeserve.kernels.norm import rms_norm_pair
+                from moeserve.kernels.elementwise.norm import rms_norm_pair
 
                 # both a-norms in one launch, in place; the rope columns stay as they are
                 rms_norm_pair(qkv, qn.weight, kvn.weight, qn.eps, kvn.eps, out=qkv)
@@ -495,9 +496,9 @@ class MLAAttention(nn.Module):
         md: AttentionMetadata,
     ) -> torch.Tensor:
         """Absorbed MLA for every token through the Triton kernels -> [T, h, v]."""
-        from moeserve.kernels.kv_cache import CacheRope, CacheWrite, write_mla_cache
-        from moeserve.kernels.mla_decode import mla_decode
-        from moeserve.kernels.mla_prefill import mla_prefill
+        from moeserve.kernels.attention.kv_cache import CacheRope, CacheWrite, write_mla_cache
+        from moeserve.kernels.attention.mla_decode import mla_decode
+        from moeserve.kernels.attention.mla_prefill import mla_prefill
 
         tokens, heads, lat = q.shape[0], self.num_heads, self.kv_lora
         # absorbed query [T, h, L + R]: q_nope @ W_UK straight into its first L columns, and

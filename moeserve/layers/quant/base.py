@@ -114,7 +114,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
             return cpu_kernels.linear(x, packed)
         if x.is_cuda and getattr(layer, "batch_invariant", False):
-            from moeserve.kernels.invariant import gemm16
+            from moeserve.kernels.gemm.invariant import gemm16
 
             return gemm16(x.reshape(-1, x.shape[-1]), layer.weight).view(*x.shape[:-1], -1)
         return torch.nn.functional.linear(x, layer.weight)

@@ -7,8 +7,8 @@ import logging
 
 import torch
 
-from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block
-from moeserve.kernels.splitk import SplitKWorkspace
+from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block
+from moeserve.kernels.gemm.splitk import SplitKWorkspace
 from moeserve.layers.quant.base import LinearMethod, QuantConfig, UnquantizedLinearMethod
 from moeserve.layers.quant.scheme import SchemeLinearMethod, TensorSpec, WeightScheme
 
@@ -61,10 +61,10 @@ class Fp8BlockScheme(WeightScheme):
     ) -> torch.Tensor | None:
         if not self.has_gpu_matmul(t):
             return None
-        from moeserve.kernels.fp8_block_gemm import fp8_block_gemm
+        from moeserve.kernels.gemm.fp8_block_gemm import fp8_block_gemm
 
         if invariant:
-            from moeserve.kernels.invariant import FP8_GEMM
+            from moeserve.kernels.gemm.invariant import FP8_GEMM
 
             return fp8_block_gemm(
                 x, t["weight"], t["weight_scale_inv"], config=FP8_GEMM, kernel="mma"

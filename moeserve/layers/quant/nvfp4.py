@@ -19,7 +19,7 @@ import re
 import torch
 from torch import nn
 
-from moeserve.kernels.nvfp4_format import NVFP4_BLOCK, dequantize_nvfp4
+from moeserve.kernels.gemm.nvfp4_format import NVFP4_BLOCK, dequantize_nvfp4
 from moeserve.layers.quant.base import LinearMethod, QuantConfig, UnquantizedLinearMethod
 from moeserve.layers.quant.scheme import (
     SchemeLinearMethod,
@@ -128,7 +128,7 @@ class Nvfp4LinearMethod(SchemeLinearMethod):
         dev = packed.device
         if dev.type != "cuda" or not gpu_kernels_enabled(dev):
             return
-        from moeserve.kernels.nvfp4_gemm import plan_nvfp4_gemm
+        from moeserve.kernels.gemm.nvfp4_gemm import plan_nvfp4_gemm
 
         with torch.cuda.device(dev):  # the probes launch on the current device
             plan = plan_nvfp4_gemm(packed)
@@ -139,7 +139,7 @@ class Nvfp4LinearMethod(SchemeLinearMethod):
         args = getattr(layer, "nvfp4_kernel_args", None)
         if args is None or not x.is_cuda:
             return super().apply(layer, x)
-        from moeserve.kernels import nvfp4_gemm as nv  # looked up per call: tests count calls
+        from moeserve.kernels.gemm import nvfp4_gemm as nv  # looked up per call: tests count calls
 
         packed, scale, gs, plan = args
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()

@@ -21,7 +21,7 @@ from torch import nn
 from moeserve.layers.quant.base import LinearMethod, UnquantizedLinearMethod, make_param
 
 if TYPE_CHECKING:
-    from moeserve.kernels.splitk import SplitKWorkspace
+    from moeserve.kernels.gemm.splitk import SplitKWorkspace
 
 
 @dataclass(frozen=True)
@@ -82,14 +82,14 @@ class WeightScheme:
     ) -> torch.Tensor | None:
         """x [M, K] bf16 @ W^T by a GPU kernel reading the stored format, or None (no kernel:
         the caller dequantizes). `workspace`: a static split-K `SplitKWorkspace` that fits;
-        `invariant`: the batch-invariant schedule (kernels/invariant.py)."""
+        `invariant`: the batch-invariant schedule (kernels/gemm/invariant.py)."""
         view = self.nvfp4_view(t)
         if view is None:
             return None
-        from moeserve.kernels.nvfp4_gemm import nvfp4_gemm  # W4A16, dequantized in registers
+        from moeserve.kernels.gemm.nvfp4_gemm import nvfp4_gemm  # W4A16, dequantized in registers
 
         if invariant:
-            from moeserve.kernels.invariant import NVFP4_GEMM
+            from moeserve.kernels.gemm.invariant import NVFP4_GEMM
 
             return nvfp4_gemm(x, *view, config=NVFP4_GEMM, kernel="mma")
         return nvfp4_gemm(x, *view, workspace=workspace)
@@ -158,7 +158,7 @@ class SchemeLinearMethod(LinearMethod):
             if y is not None:  # the stored format straight into a Triton kernel
                 return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
             if invariant:
-                from moeserve.kernels.invariant import gemm16
+                from moeserve.kernels.gemm.invariant import gemm16
 
                 y = gemm16(x2, self.dense_weight(layer, torch.bfloat16))
                 return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
@@ -181,7 +181,7 @@ def splitk_fits(ws: SplitKWorkspace, m: int, n: int) -> bool:
 def shared_splitk_workspace(shared: dict, m: int, n: int, device: torch.device) -> SplitKWorkspace:
     """The split-K workspace in `shared`, replaced by a larger one when [m, n] does not fit
     (layers bound earlier keep the smaller one, which fits them)."""
-    from moeserve.kernels.splitk import SplitKWorkspace
+    from moeserve.kernels.gemm.splitk import SplitKWorkspace
 
     ws = shared.get("splitk_workspace")
     if ws is None or not splitk_fits(ws, m, n):

@@ -87,7 +87,7 @@ def split_k_plan(cfg_split: int, tiles: int, k_tiles: int, device: torch.device)
 
 
 @triton.jit
-def _splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr, mask, SPLIT_K: tl.constexpr):
+def splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr, mask, SPLIT_K: tl.constexpr):
     """Store acc [BLOCK_N, BLOCK_M] fp32 (already scaled) as out's dtype; with SPLIT_K > 1, add
     into the fp32 workspace and let the last program of the tile write the output and re-zero
     workspace and lock (so they stay zero between calls and CUDA-graph replays)."""

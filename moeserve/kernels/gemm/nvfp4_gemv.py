@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moeserve.kernels.e2m1_ptx import decode_pairs_ptx
-from moeserve.kernels.splitk import (
+from moeserve.kernels.gemm.e2m1_ptx import decode_pairs_ptx
+from moeserve.kernels.gemm.splitk import (
     SplitKWorkspace,
     dense_x_rows,
     interpreting,

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.mla_decode import FP8_E4M3_MAX, KV_LORA_RANK, LATENT_DIM, ROPE_DIM
+from moeserve.kernels.attention.mla_decode import FP8_E4M3_MAX, KV_LORA_RANK, LATENT_DIM, ROPE_DIM
 
 # Query heads each program rotates. One program per token rotating all 128 heads took
 # 18 us on an H200 (64 heads: 11 us), a third of an attention block at batch 1; programs

@@ -1,6 +1,6 @@
 """MLA decode attention in Gluon for Hopper (sm_90): TMA-fed KV ring + wgmma.
 
-Same contract as :func:`moeserve.kernels.mla_decode.mla_decode` (read its module docstring
+Same contract as :func:`moeserve.kernels.attention.mla_decode.mla_decode` (read its module docstring
 for the layouts, split-KV and CUDA-graph rules): ``q [B, H, 576]``, a paged latent cache
 ``kv_cache [pages, page_size, 576]`` (BF16), ``block_tables [B, max_pages]`` int32,
 ``seq_lens [B]`` int32, ``out [B, H, 512]``; per-split partials live in the same
@@ -51,17 +51,17 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from moeserve.kernels.mla_decode import (
-    _MERGE_CHUNK,
-    _MERGE_MIN_D_BLOCK,
+from moeserve.kernels.attention.mla_decode import (
     KV_LORA_RANK,
     LATENT_DIM,
     LOG2E,
     MAX_SPLITS,
+    MERGE_CHUNK,
+    MERGE_MIN_D_BLOCK,
     ROPE_DIM,
     MLADecodeWorkspace,
-    _check_inputs,
-    _sm_count,
+    check_decode_inputs,
+    device_sm_count,
     launch_merge,
     merge_blocks,
     min_split_tiles,
@@ -659,8 +659,8 @@ def _merge_launch(batch: int, heads: int, num_splits: int, config: GluonMLAConfi
     on the way"), as long as the grid stays within _MERGE_FINE_MAX_PROGRAMS.
     """
     hb, db = merge_blocks(batch, heads)
-    chunk, warps = (_MERGE_CHUNK if (hb, db) == (1, _MERGE_MIN_D_BLOCK) else 1), 4
-    if (hb, db) == (1, _MERGE_MIN_D_BLOCK) and num_splits >= _MERGE_MANY_SPLITS:
+    chunk, warps = (MERGE_CHUNK if (hb, db) == (1, MERGE_MIN_D_BLOCK) else 1), 4
+    if (hb, db) == (1, MERGE_MIN_D_BLOCK) and num_splits >= _MERGE_MANY_SPLITS:
         chunk = _MERGE_FINE_CHUNK
         if batch * heads * (KV_LORA_RANK // _MERGE_FINE_D_BLOCK) <= _MERGE_FINE_MAX_PROGRAMS:
             db = _MERGE_FINE_D_BLOCK
@@ -697,7 +697,7 @@ def mla_decode_gluon(
 ) -> torch.Tensor:
     """Absorbed MLA decode attention on Hopper; writes ``out [B, H, 512]`` and returns it.
 
-    Contract of :func:`moeserve.kernels.mla_decode.mla_decode`. Only what
+    Contract of :func:`moeserve.kernels.attention.mla_decode.mla_decode`. Only what
     :func:`gluon_mla_supported` accepts (``kv_scale`` is then unused: BF16 cache). The
     kernel (few-head or 64-row, see ``GluonMLAConfig.small_heads_max`` / ``small_max_tiles``)
     follows from the static sizes (batch, heads, block-table capacity) only, and
@@ -705,7 +705,7 @@ def mla_decode_gluon(
     captured graph stays valid for any ``seq_lens``. ``config`` defaults to
     ``DEFAULT_GLUON_CONFIG``.
     """
-    _check_inputs(q, kv_cache, block_tables, seq_lens, out, kv_scale)
+    check_decode_inputs(q, kv_cache, block_tables, seq_lens, out, kv_scale)
     config = config or DEFAULT_GLUON_CONFIG
     if not gluon_mla_supported(q, kv_cache) or kv_cache.shape[1] % config.block_n != 0:
         raise ValueError("mla_decode_gluon: unsupported device/cache; use mla_decode")
@@ -714,10 +714,10 @@ def mla_decode_gluon(
     batch, heads = q.shape[0], q.shape[1]
     page_size = kv_cache.shape[1]
     max_context = block_tables.shape[1] * page_size
-    small = _use_small_kernel(batch, heads, max_context, config, _sm_count(q.device))
+    small = _use_small_kernel(batch, heads, max_context, config, device_sm_count(q.device))
     block_h = SMALL_BLOCK_H if small else BLOCK_H
     if num_splits is None:
-        num_splits = gluon_num_splits(batch, heads, max_context, _sm_count(q.device), block_h)
+        num_splits = gluon_num_splits(batch, heads, max_context, device_sm_count(q.device), block_h)
     num_splits = int(num_splits)
     direct = num_splits == 1
     po, pl = split_partials(out, num_splits, workspace)

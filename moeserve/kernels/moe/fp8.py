@@ -28,18 +28,18 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.configs import max_rows, tile_config
-from moeserve.kernels.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block, fp8_gemv_rows
-from moeserve.kernels.moe import (
+from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block, fp8_gemv_rows
+from moeserve.kernels.gemm.splitk import interpreting, slot_x_rows
+from moeserve.kernels.moe.nvfp4 import (
     COMBINE_BLOCK_H,
     CombineInto,
-    _block_expert,
-    _block_slots,
-    _combine_if_last,
-    _moe_combine_kernel,
+    block_expert,
+    block_slots,
+    combine_if_last,
     gemv_blocks,
     moe_align,
+    moe_combine_kernel,
 )
-from moeserve.kernels.splitk import interpreting, slot_x_rows
 
 # ----------------------------------------------------------------------------------------------
 # Torch reference
@@ -116,10 +116,10 @@ def _moe_gate_up_gemv_kernel(
     pid(1). Blocks vary fastest, so the blocks of one expert read a tile about together."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = _block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
+    expert = block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
     if expert < 0:
         return
-    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP, DIRECT)
+    s0, s1, s2, s3 = block_slots(sorted_ptr, pid_b, Mk, MP, DIRECT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = (offs_n < INTER)[:, None]
     g_rows = w_ptr + (expert.to(tl.int64) * 2 * INTER + offs_n[:, None]) * H
@@ -178,18 +178,18 @@ def _moe_down_gemv_kernel(
     LATE_SUM: tl.constexpr = 0,
 ):
     """y[slot, n] = topk_weight[slot] * (inter[slot] @ W2_e^T)[n] in fp32. COMBINE (direct
-    blocks only): out = the sum of the slots' rows too (moe.py's _combine_if_last)."""
+    blocks only): out = the sum of the slots' rows too (moe.py's combine_if_last)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = _block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
+    expert = block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
     if expert < 0:
         if COMBINE:
-            _combine_if_last(
+            combine_if_last(
                 counter_ptr, y_ptr, expert_ids_ptr, out_ptr, Mk, H, num_experts, pid_n,
                 BLOCK_N, COMBINE, ACCUMULATE,
             )  # fmt: skip
         return
-    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP, DIRECT)
+    s0, s1, s2, s3 = block_slots(sorted_ptr, pid_b, Mk, MP, DIRECT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = w_ptr + (expert.to(tl.int64) * H + offs_n[:, None]) * INTER
     kb = tl.cdiv(INTER, 128)
@@ -219,7 +219,7 @@ def _moe_down_gemv_kernel(
         _store_y(a2, s2, Mk, topk_w_ptr, y_ptr, offs_n, H)
         _store_y(a3, s3, Mk, topk_w_ptr, y_ptr, offs_n, H)
     if COMBINE:
-        _combine_if_last(
+        combine_if_last(
             counter_ptr, y_ptr, expert_ids_ptr, out_ptr, Mk, H, num_experts, pid_n,
             BLOCK_N, COMBINE, ACCUMULATE,
         )  # fmt: skip
@@ -562,7 +562,7 @@ def fused_moe_fp8(
         y = _mma(x, ids, tw, w13, s13, w2, s2, cfg, scaled)
     else:
         raise ValueError(f"unknown MoE kernel {kernel!r}")
-    _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK_H))](
+    moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK_H))](
         y,
         ids,
         out,

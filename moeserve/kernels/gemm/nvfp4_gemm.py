@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.kernels.nvfp4_format import NVFP4_BLOCK, dequantize_nvfp4
+from moeserve.kernels.gemm.nvfp4_format import NVFP4_BLOCK, dequantize_nvfp4
 
 
 def nvfp4_gemm_ref(
@@ -55,15 +55,15 @@ def nvfp4_gemm_ref(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from moeserve.kernels.e2m1_ptx import decode_pairs_ptx  # noqa: E402
-from moeserve.kernels.splitk import (  # noqa: E402
+from moeserve.kernels.gemm.e2m1_ptx import decode_pairs_ptx  # noqa: E402
+from moeserve.kernels.gemm.splitk import (  # noqa: E402
     ACC_FIX_EXP,
     SCALE_BIAS_EXP,
     SplitKWorkspace,
-    _splitk_finish,
     interpreting,
     split_k_plan,
     splitk_buffers,
+    splitk_finish,
 )
 
 # Jitted code may only read constexpr globals.
@@ -138,7 +138,7 @@ def _bits_pair(q, shift: tl.constexpr, sf):
 
 
 @triton.jit
-def _load_decode_tile(
+def load_decode_tile(
     w_row_ptr,
     s_row_ptr,
     n_mask,
@@ -201,8 +201,8 @@ def _load_decode_tile(
 
 
 @triton.jit
-def _load_act_t(x_rows_ptr, m_mask, kw0, K, BLOCK_K: tl.constexpr):
-    """Activation columns matching _load_decode_tile: bf16 [BLOCK_K, BLOCK_M].
+def load_act_t(x_rows_ptr, m_mask, kw0, K, BLOCK_K: tl.constexpr):
+    """Activation columns matching load_decode_tile: bf16 [BLOCK_K, BLOCK_M].
 
     x_rows_ptr [1, BLOCK_M] pointers to activation rows, m_mask [1, BLOCK_M].
     """
@@ -212,7 +212,7 @@ def _load_act_t(x_rows_ptr, m_mask, kw0, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _dot_acc(a, b, acc, DOT_F32: tl.constexpr):
+def dot_acc(a, b, acc, DOT_F32: tl.constexpr):
     """acc += a @ b. DOT_F32 (the CPU interpreter) multiplies in fp32: the interpreter's numpy
     dot has no bf16 and would multiply raw bit patterns."""
     if DOT_F32:
@@ -262,15 +262,15 @@ def _nvfp4_gemm_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for it in range(K_ITERS):
         kw0 = (pid_k * K_ITERS + it) * (BLOCK_K // 8)
-        w = _load_decode_tile(w_rows, s_rows, n_mask, kw0, KW, KG, BLOCK_N, BLOCK_K, DECODE)
-        xt = _load_act_t(x_rows, m_mask, kw0, K, BLOCK_K)
-        acc = _dot_acc(w, xt, acc, DOT_F32)
+        w = load_decode_tile(w_rows, s_rows, n_mask, kw0, KW, KG, BLOCK_N, BLOCK_K, DECODE)
+        xt = load_act_t(x_rows, m_mask, kw0, K, BLOCK_K)
+        acc = dot_acc(w, xt, acc, DOT_F32)
     acc = acc * (tl.load(gs_ptr) * (2.0**ACC_FIX_EXP))
     mask = n_mask & m_mask
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     ws_ptrs = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
     tile = pid_m * tl.num_programs(0) + pid_n
-    _splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr + tile, mask, SPLIT_K)
+    splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr + tile, mask, SPLIT_K)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,9 +282,9 @@ import functools  # noqa: E402
 import logging  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-from moeserve.kernels import nvfp4_gemv as _gemv  # noqa: E402
-from moeserve.kernels import nvfp4_gemv_mma as _gemv_mma  # noqa: E402
 from moeserve.kernels.configs import TILE_CONFIGS, max_rows, min_rows, tile_config  # noqa: E402
+from moeserve.kernels.gemm import nvfp4_gemv as _gemv  # noqa: E402
+from moeserve.kernels.gemm import nvfp4_gemv_mma as _gemv_mma  # noqa: E402
 
 log = logging.getLogger(__name__)
 

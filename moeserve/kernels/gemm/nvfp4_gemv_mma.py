@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.e2m1_ptx import decode_pairs_ptx
-from moeserve.kernels.splitk import (
+from moeserve.kernels.gemm.e2m1_ptx import decode_pairs_ptx
+from moeserve.kernels.gemm.splitk import (
     ACC_FIX_EXP,
     SplitKWorkspace,
     choose_split_k,

@@ -42,18 +42,18 @@ SCORING_FUNCS = ("sigmoid", "softmax")
 # noaux_tc group score = sum of the best this many biased scores of the group
 _GROUP_TOP = 2
 # renormalisation guard of the reference (weights / (sum + eps))
-_RENORM_EPS = 1e-20
+RENORM_EPS = 1e-20
 
 
 @triton.jit
-def _score(x, m, denom, SOFTMAX: tl.constexpr):
+def route_score(x, m, denom, SOFTMAX: tl.constexpr):
     if SOFTMAX:
         return tl.exp(x - m) / denom
     return 1.0 / (1.0 + tl.exp(-x))
 
 
 @triton.jit
-def _route_rows(
+def route_rows(
     x,
     g,
     j,
@@ -98,7 +98,7 @@ def _route_rows(
     else:
         m = 0.0
         denom = 1.0
-    score = _score(x, m, denom, SOFTMAX)
+    score = route_score(x, m, denom, SOFTMAX)
     choice = score
     if HAS_BIAS:
         choice += tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
@@ -149,7 +149,7 @@ def _route_rows(
     else:
         m2 = 0.0
         denom2 = 1.0
-    w = tl.where(kmask, _score(xs, m2, denom2, SOFTMAX), 0.0)
+    w = tl.where(kmask, route_score(xs, m2, denom2, SOFTMAX), 0.0)
     if RENORM:
         w = w / (tl.sum(w, axis=1)[:, None] + RENORM_EPS)
     w = w * scale
@@ -191,21 +191,21 @@ def _route_kernel(
     S_P2: tl.constexpr,
 ):
     """One program per token: its row of logits as [1, groups, experts per group] (padded to
-    powers of two), routed by _route_rows."""
+    powers of two), routed by route_rows."""
     t = tl.program_id(0)
     g = tl.arange(0, NG_P2)[None, :, None]
     j = tl.arange(0, GS_P2)[None, None, :]
     valid = (g < N_GROUP) & (j < group_size)
     row = logits_ptr + t.to(tl.int64) * stride_lt
     x = tl.load(row + g * group_size + j, mask=valid, other=float("-inf")).to(tl.float32)
-    _route_rows(
+    route_rows(
         x, g, j, t, t + 1, logits_ptr, stride_lt, bias_ptr, w_ptr, ids_ptr, stride_wt,
         stride_it, group_size, scale, shared_first_id, 1, N_GROUP, NG_P2, GS_P2, TOPK_GROUP,
         TOP_K, K_P2, SOFTMAX, HAS_BIAS, GROUP_TOP2, RENORM, RENORM_EPS, SHARED, S_P2,
     )  # fmt: skip
 
 
-def _weight_rule(
+def weight_rule(
     topk_method: str, top_k: int, norm_topk_prob: bool, routed_scaling_factor: float
 ) -> tuple[bool, float]:
     """(renormalise?, factor applied after) as select_experts does per method."""
@@ -216,7 +216,7 @@ def _weight_rule(
     return False, routed_scaling_factor
 
 
-def _check(
+def check_route_args(
     logits: torch.Tensor,
     bias: torch.Tensor | None,
     top_k: int,
@@ -253,12 +253,12 @@ def _check(
     return tokens, experts
 
 
-def _check_out(t: torch.Tensor, name: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
+def check_out(t: torch.Tensor, name: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
     if tuple(t.shape) != shape or t.dtype != dtype or t.stride(-1) != 1:
         raise ValueError(f"{name} must be {dtype} {list(shape)} with a contiguous last dim")
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -282,7 +282,7 @@ def route(
     in one launch, S = `shared_slots` columns of shared experts (ids `shared_first_id` + j,
     default E; weight 1) after the top_k (see the module docstring). On a CPU without the
     Triton interpreter it runs ``route_ref``."""
-    tokens, experts = _check(
+    tokens, experts = check_route_args(
         logits, bias, top_k, n_group, topk_group, scoring_func, topk_method, shared_slots
     )
     first_shared = experts if shared_first_id is None else shared_first_id
@@ -291,8 +291,8 @@ def route(
         out_weights = torch.empty(tokens, width, dtype=torch.float32, device=logits.device)
     if out_ids is None:
         out_ids = torch.empty(tokens, width, dtype=torch.int32, device=logits.device)
-    _check_out(out_weights, "out_weights", (tokens, width), torch.float32)
-    _check_out(out_ids, "out_ids", (tokens, width), torch.int32)
+    check_out(out_weights, "out_weights", (tokens, width), torch.float32)
+    check_out(out_ids, "out_ids", (tokens, width), torch.int32)
     kw = dict(
         n_group=n_group,
         topk_group=topk_group,
@@ -301,7 +301,7 @@ def route(
         routed_scaling_factor=routed_scaling_factor,
         topk_method=topk_method,
     )
-    if not logits.is_cuda and not _interpreting():
+    if not logits.is_cuda and not interpreting():
         w, i = route_ref(
             logits, bias, top_k, shared_slots=shared_slots, shared_first_id=first_shared, **kw
         )
@@ -312,7 +312,7 @@ def route(
         return out_weights, out_ids
     grouped = n_group > 1 and topk_method != "greedy"
     groups = n_group if grouped else 1
-    renorm, scale = _weight_rule(topk_method, top_k, norm_topk_prob, routed_scaling_factor)
+    renorm, scale = weight_rule(topk_method, top_k, norm_topk_prob, routed_scaling_factor)
     ng_p2 = triton.next_power_of_2(groups)
     gs_p2 = triton.next_power_of_2(experts // groups)
     _route_kernel[(tokens,)](
@@ -336,7 +336,7 @@ def route(
         HAS_BIAS=bias is not None,
         GROUP_TOP2=topk_method == "noaux_tc",
         RENORM=renorm,
-        RENORM_EPS=_RENORM_EPS,
+        RENORM_EPS=RENORM_EPS,
         SHARED=shared_slots,
         S_P2=triton.next_power_of_2(max(shared_slots, 1)),
         # one warp per token up to 512 experts: the reductions stay within warp shuffles
@@ -361,7 +361,9 @@ def route_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch reference of :func:`route` with the same tie rule (stable sorts: among equals
     the lower index first), shared-slot columns included."""
-    _check(logits, bias, top_k, n_group, topk_group, scoring_func, topk_method, shared_slots)
+    check_route_args(
+        logits, bias, top_k, n_group, topk_group, scoring_func, topk_method, shared_slots
+    )
     x = logits.float()
     scores = x.sigmoid() if scoring_func == "sigmoid" else x.softmax(dim=-1)
     choice = scores if bias is None else scores + bias.float()
@@ -380,9 +382,9 @@ def route_ref(
         )
     ids = choice.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = scores.gather(1, ids)
-    renorm, scale = _weight_rule(topk_method, top_k, norm_topk_prob, routed_scaling_factor)
+    renorm, scale = weight_rule(topk_method, top_k, norm_topk_prob, routed_scaling_factor)
     if renorm:
-        weights = weights / (weights.sum(-1, keepdim=True) + _RENORM_EPS)
+        weights = weights / (weights.sum(-1, keepdim=True) + RENORM_EPS)
     weights, ids = weights * scale, ids.to(torch.int32)
     if shared_slots:
         first = experts if shared_first_id is None else shared_first_id

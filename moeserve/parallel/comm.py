@@ -4,7 +4,7 @@
 - ``gloo`` / ``nccl``: torch.distributed on the group (host tensors; GPUs that cannot reach
   each other's memory; GPUs on several hosts; messages above the one-shot threshold).
 - ``one-shot (symmetric memory, P2P)``: small all-reduces as one Triton launch per rank that
-  exchanges the partials through peer memory (``moeserve.kernels.allreduce``: pushed into
+  exchanges the partials through peer memory (``moeserve.kernels.comm.allreduce``: pushed into
   every peer's buffer by default, or pulled after a flag handshake), fused with the residual
   add and the next RMSNorm; NCCL above ``one_shot_max_bytes`` and for all-gather. Symmetric
   buffers come from ``torch.distributed._symmetric_memory`` with NVLink multicast forced off
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moeserve.kernels import allreduce as ar
-from moeserve.kernels.norm import add_rmsnorm
+from moeserve.kernels.comm import allreduce as ar
+from moeserve.kernels.elementwise.norm import add_rmsnorm
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,9 @@ def one_shot_max_bytes_for(world: int) -> int:
     """The one-shot threshold for a group of `world` ranks (measured where it differs)."""
     return ONE_SHOT_MAX_BYTES_2_RANKS if world == 2 else ONE_SHOT_MAX_BYTES
 
+
 # "lamport" (push; data doubles as the signal) or "flag" (pull after a release/acquire flag
-# exchange): moeserve/kernels/allreduce.py; benchmarks/allreduce.py times both. Lamport is
+# exchange): moeserve/kernels/comm/allreduce.py; benchmarks/allreduce.py times both. Lamport is
 # faster on 2 H200s (4.7 vs 5.6 us fused at 14 KB): one NVLink crossing instead of a flag hop
 # plus a read round trip.
 DEFAULT_PROTOCOL = "lamport"
@@ -132,7 +133,7 @@ AddRMSNorm = Callable[
 
 def local_add_rmsnorm(device: torch.device) -> tuple[AddRMSNorm, str]:
     """The single-device add + RMSNorm for `device` and its name for describe(): the Triton
-    kernel of moeserve.kernels.norm on GPUs, torch on the CPU (no Triton there)."""
+    kernel of moeserve.kernels.elementwise.norm on GPUs, torch on the CPU (no Triton there)."""
     if device.type == "cuda":
         return _triton_add_rmsnorm, "Triton add_rmsnorm"
     return _torch_add_rmsnorm, "torch add + rms_norm"
@@ -509,10 +510,11 @@ def create_communicator(
 
     `max_tokens`: the largest batch of rows of `hidden` an all-reduce will carry (sizes the
     one-shot buffers); `one_shot_max_bytes`: NCCL above it (default: measured per group
-    size, `one_shot_max_bytes_for`); `prefer`: "auto", "nccl" or "one-shot" (ParallelConfig.all_reduce;
-    "one-shot" still falls back where peers cannot reach each other); `cpu_group`: a gloo
-    group for the start-up host collectives (default: `group`); `protocol`: the one-shot
-    kernel's ("lamport" or "flag", see moeserve.kernels.allreduce).
+    size, `one_shot_max_bytes_for`); `prefer`: "auto", "nccl" or "one-shot"
+    (ParallelConfig.all_reduce; "one-shot" still falls back where peers cannot reach each
+    other); `cpu_group`: a gloo group for the start-up host collectives (default: `group`);
+    `protocol`: the one-shot kernel's ("lamport" or "flag", see
+    moeserve.kernels.comm.allreduce).
     """
     if protocol not in ar.PROTOCOLS:
         raise ValueError(f"protocol must be one of {ar.PROTOCOLS}, not {protocol!r}")

@@ -31,22 +31,22 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.configs import max_rows, min_rows, tile_config
-from moeserve.kernels.nvfp4_format import NVFP4_BLOCK, dequantize_nvfp4
-from moeserve.kernels.nvfp4_gemm import (
-    _dot_acc,
-    _load_act_t,
-    _load_decode_tile,
+from moeserve.kernels.gemm.nvfp4_format import NVFP4_BLOCK, dequantize_nvfp4
+from moeserve.kernels.gemm.nvfp4_gemm import (
     default_decode,
+    dot_acc,
     gemv_mma_enabled,
+    load_act_t,
+    load_decode_tile,
 )
-from moeserve.kernels.nvfp4_gemv import GEMV_F16_EXP, gemv_accumulate
-from moeserve.kernels.nvfp4_gemv_mma import (
+from moeserve.kernels.gemm.nvfp4_gemv import GEMV_F16_EXP, gemv_accumulate
+from moeserve.kernels.gemm.nvfp4_gemv_mma import (
     MMA_STEP_K,
     mma_accumulate,
     mma_rows,
     mma_supported,
 )
-from moeserve.kernels.splitk import ACC_FIX_EXP, interpreting, slot_x_rows
+from moeserve.kernels.gemm.splitk import ACC_FIX_EXP, interpreting, slot_x_rows
 
 ALIGN_CHUNK = 1024  # slots handled per vector step inside the single-program align kernel
 ALIGN_BCHUNK = 32  # blocks per step when mapping blocks to experts ([32, E] compare)
@@ -211,11 +211,11 @@ def _moe_gate_up_kernel(
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for it in range(K_ITERS):
         kw0 = it * (BLOCK_K // 8)
-        xt = _load_act_t(x_rows, m_mask, kw0, H, BLOCK_K)
-        g = _load_decode_tile(g_rows, gs_rows, n_mask, kw0, KW, KG, BLOCK_N, BLOCK_K, DECODE)
-        acc_g = _dot_acc(g, xt, acc_g, DOT_F32)
-        u = _load_decode_tile(u_rows, us_rows, n_mask, kw0, KW, KG, BLOCK_N, BLOCK_K, DECODE)
-        acc_u = _dot_acc(u, xt, acc_u, DOT_F32)
+        xt = load_act_t(x_rows, m_mask, kw0, H, BLOCK_K)
+        g = load_decode_tile(g_rows, gs_rows, n_mask, kw0, KW, KG, BLOCK_N, BLOCK_K, DECODE)
+        acc_g = dot_acc(g, xt, acc_g, DOT_F32)
+        u = load_decode_tile(u_rows, us_rows, n_mask, kw0, KW, KG, BLOCK_N, BLOCK_K, DECODE)
+        acc_u = dot_acc(u, xt, acc_u, DOT_F32)
     gs = tl.load(gs_ptr + expert) * (2.0**ACC_FIX_EXP)
     g = acc_g * gs
     u = acc_u * gs
@@ -263,9 +263,9 @@ def _moe_down_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for it in range(K_ITERS):
         kw0 = it * (BLOCK_K // 8)
-        at = _load_act_t(a_rows, m_mask, kw0, INTER, BLOCK_K)
-        w = _load_decode_tile(w_rows, s_rows, n_mask, kw0, KW, KG, BLOCK_N, BLOCK_K, DECODE)
-        acc = _dot_acc(w, at, acc, DOT_F32)
+        at = load_act_t(a_rows, m_mask, kw0, INTER, BLOCK_K)
+        w = load_decode_tile(w_rows, s_rows, n_mask, kw0, KW, KG, BLOCK_N, BLOCK_K, DECODE)
+        acc = dot_acc(w, at, acc, DOT_F32)
     wt = tl.load(topk_w_ptr + slots, mask=valid, other=0.0)
     acc = acc * (tl.load(gs_ptr + expert) * (2.0**ACC_FIX_EXP)) * wt[None, :]
     ptrs = y_ptr + slots[None, :].to(tl.int64) * H + offs_n[:, None]
@@ -273,9 +273,9 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT: tl.constexpr):
+def block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT: tl.constexpr):
     """Expert of block pid_b, or -1 (skip the block). Aligned blocks carry -1 themselves;
-    direct blocks (see _block_slots) read the routed id, which is out of [0, E) for another
+    direct blocks (see block_slots) read the routed id, which is out of [0, E) for another
     rank's expert."""
     expert = tl.load(expert_ids_ptr + pid_b)
     if DIRECT:
@@ -284,7 +284,7 @@ def _block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT: tl.constexpr):
 
 
 @triton.jit
-def _block_slots(sorted_ptr, pid_b, Mk, MP: tl.constexpr, DIRECT: tl.constexpr = 0):
+def block_slots(sorted_ptr, pid_b, Mk, MP: tl.constexpr, DIRECT: tl.constexpr = 0):
     """The slots of aligned block pid_b (MP of them; the rest, and padding, are Mk). DIRECT:
     one token's slots, which name distinct experts, so block b is slot b alone and
     expert_ids is the routed ids themselves: no alignment launch."""
@@ -347,12 +347,12 @@ def _moe_gate_up_gemv_kernel(
     weight tile at about the same time, from L2 after the first."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = _block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
+    expert = block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
     if expert < 0:
         return
     BW: tl.constexpr = BLOCK_K // 8
     KW = H // 8
-    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP, DIRECT)
+    s0, s1, s2, s3 = block_slots(sorted_ptr, pid_b, Mk, MP, DIRECT)
     r = tl.arange(0, 2 * BLOCK_N)
     offs_n = pid_n * BLOCK_N + r % BLOCK_N
     w_row = offs_n + (r >= BLOCK_N).to(tl.int32) * INTER
@@ -391,7 +391,7 @@ def _moe_gate_up_gemv_kernel(
 
 
 @triton.jit
-def _combine_if_last(
+def combine_if_last(
     counter_ptr,
     y_ptr,
     ids_ptr,
@@ -406,7 +406,7 @@ def _combine_if_last(
 ):
     """Down + combine in one launch for one token (direct blocks): each program of column
     tile pid_n arrives at the tile's counter once its y rows are stored; the last to arrive
-    sums the tile over the token's slots (as _moe_combine_kernel does) and resets the
+    sums the tile over the token's slots (as moe_combine_kernel does) and resets the
     counter for the next launch (CUDA-graph replays included). The slots' rows are one
     load, so the tail costs one L2 round trip, not one per slot."""
     tl.debug_barrier()  # every thread's y stores precede the release below
@@ -468,20 +468,20 @@ def _moe_down_gemv_kernel(
 ):
     """CUDA-core decode path of _moe_down_kernel (same outputs), grid like the gate_up GEMV.
     COMBINE (direct blocks only): the combine too, out = sum of the slots' rows (see
-    _combine_if_last)."""
+    combine_if_last)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = _block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
+    expert = block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
     if expert < 0:
         if COMBINE:
-            _combine_if_last(
+            combine_if_last(
                 counter_ptr, y_ptr, expert_ids_ptr, out_ptr, Mk, H, num_experts, pid_n,
                 BLOCK_N, COMBINE, ACCUMULATE,
             )  # fmt: skip
         return
     BW: tl.constexpr = BLOCK_K // 8
     KW = INTER // 8
-    s0, s1, s2, s3 = _block_slots(sorted_ptr, pid_b, Mk, MP, DIRECT)
+    s0, s1, s2, s3 = block_slots(sorted_ptr, pid_b, Mk, MP, DIRECT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = expert.to(tl.int64) * H + offs_n[:, None]
     x_rows, oks = slot_x_rows(a_ptr, (s0, s1, s2, s3), 1, INTER, Mk)
@@ -513,7 +513,7 @@ def _moe_down_gemv_kernel(
         _store_down(acc2, s2, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
         _store_down(acc3, s3, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
     if COMBINE:
-        _combine_if_last(
+        combine_if_last(
             counter_ptr, y_ptr, expert_ids_ptr, out_ptr, Mk, H, num_experts, pid_n,
             BLOCK_N, COMBINE, ACCUMULATE,
         )  # fmt: skip
@@ -623,7 +623,7 @@ def _moe_down_mma_kernel(
 
 
 @triton.jit
-def _moe_combine_kernel(
+def moe_combine_kernel(
     y_ptr,
     ids_ptr,
     out_ptr,
@@ -849,7 +849,7 @@ def fused_moe_nvfp4(
         )
     else:
         raise ValueError(f"unknown MoE kernel {kernel!r}")
-    _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK_H))](
+    moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK_H))](
         y,
         topk_ids,
         out,

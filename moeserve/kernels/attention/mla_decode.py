@@ -87,14 +87,14 @@ _MIN_TOKENS_PER_SPLIT = 128
 # benchmarks/results/kernels_mla_heads.md), so blocks grow until at most this many remain;
 # 128-value blocks of one head keep batch 1 spread over the SMs.
 _MERGE_MAX_PROGRAMS = 512
-_MERGE_MIN_D_BLOCK = 128
+MERGE_MIN_D_BLOCK = 128
 _MERGE_MAX_HEADS_BLOCK = 8
 # Where a program holds one head's 128 values (small batches: many splits), each step reads
 # CHUNK splits' partials at once ([CHUNK, 1, 128] tiles), so 32-132 splits take few steps;
 # elsewhere (fewer splits) one split per step. Both measured on an H200 at 2232beb
 # (benchmarks/results/kernels_mla_heads.md, mla_merge_profile.log): chunks of wider blocks
 # ([8, 1, 256], [4, 1, 512], [2, 2, 512]) took 1.3-2.5x the one-split loop.
-_MERGE_CHUNK = 16
+MERGE_CHUNK = 16
 # Upper bound of num_splits: the merge keeps all split lse values of a head in registers.
 MAX_SPLITS = 1024
 
@@ -183,7 +183,7 @@ class MLADecodeWorkspace:
         return self.partial_out.shape[2]
 
 
-def _sm_count(device: torch.device) -> int:
+def device_sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return _DEFAULT_SM_COUNT
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -583,7 +583,7 @@ def launch_merge(
 def merge_blocks(batch: int, num_heads: int) -> tuple[int, int]:
     """(heads, values) per merge program: 1 x 128 grown (values first, to all 512, then
     heads) until the grid has at most _MERGE_MAX_PROGRAMS programs."""
-    heads_block, d_block = 1, _MERGE_MIN_D_BLOCK
+    heads_block, d_block = 1, MERGE_MIN_D_BLOCK
 
     def programs() -> int:
         return batch * triton.cdiv(num_heads, heads_block) * (KV_LORA_RANK // d_block)
@@ -595,7 +595,7 @@ def merge_blocks(batch: int, num_heads: int) -> tuple[int, int]:
     return heads_block, d_block
 
 
-def _check_inputs(
+def check_decode_inputs(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -645,13 +645,15 @@ def mla_decode(
     is required for (and only used with) a float8_e4m3fn cache. See the module docstring
     for layouts and CUDA-graph use of ``workspace``.
     """
-    _check_inputs(q, kv_cache, block_tables, seq_lens, out, kv_scale)
+    check_decode_inputs(q, kv_cache, block_tables, seq_lens, out, kv_scale)
     batch, heads = q.shape[0], q.shape[1]
     page_size = kv_cache.shape[1]
     max_context = block_tables.shape[1] * page_size
     config = config or default_config(heads, batch, max_context)
     if num_splits is None:
-        num_splits = default_num_splits(batch, heads, max_context, config, _sm_count(q.device))
+        num_splits = default_num_splits(
+            batch, heads, max_context, config, device_sm_count(q.device)
+        )
     num_splits = int(num_splits)
     direct = num_splits == 1
     po, pl = split_partials(out, num_splits, workspace)
@@ -705,7 +707,7 @@ def mla_decode(
     )
     if not direct:
         hb, db = merge_blocks(batch, heads)
-        chunk = _MERGE_CHUNK if (hb, db) == (1, _MERGE_MIN_D_BLOCK) else 1
+        chunk = MERGE_CHUNK if (hb, db) == (1, MERGE_MIN_D_BLOCK) else 1
         launch_merge(
             po,
             pl,
@@ -750,7 +752,7 @@ def mla_decode_ref(
 ) -> torch.Tensor:
     """fp32 torch reference of :func:`mla_decode` (``num_splits`` is ignored)."""
     del num_splits
-    _check_inputs(q, kv_cache, block_tables, seq_lens, out, kv_scale)
+    check_decode_inputs(q, kv_cache, block_tables, seq_lens, out, kv_scale)
     for b, n in enumerate(seq_lens.tolist()):
         if n == 0:
             out[b].zero_()

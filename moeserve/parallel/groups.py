@@ -15,7 +15,7 @@ class TPGroup:
     """This rank's place in its tensor-parallel group and the collectives over it.
 
     `group`: the torch.distributed group of the ranks (None when size 1); `comm`: the
-    communicator chosen at start-up for device collectives (`moeserve.dist.comm`; None: plain
+    communicator chosen at start-up for device collectives (`moeserve.parallel.comm`; None: plain
     torch.distributed on `group`); `cpu_group`: a gloo group for host-side start-up
     collectives (None: `group`). `expert_parallel`: routed experts are whole per rank
     instead of split along their intermediate dimension.

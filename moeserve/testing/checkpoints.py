@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from moeserve.kernels.fp8_block_gemm import dequantize_fp8_block, quantize_fp8_block
-from moeserve.kernels.nvfp4_format import (
+from moeserve.kernels.gemm.fp8_block_gemm import dequantize_fp8_block, quantize_fp8_block
+from moeserve.kernels.gemm.nvfp4_format import (
     E2M1_MAX,
     E4M3_MAX,
     NVFP4_BLOCK,

@@ -75,13 +75,13 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from moeserve.kernels.configs import max_rows, tile_config  # noqa: E402
-from moeserve.kernels.splitk import (  # noqa: E402
+from moeserve.kernels.gemm.splitk import (  # noqa: E402
     SplitKWorkspace,
-    _splitk_finish,
     dense_x_rows,
     interpreting,
     split_k_plan,
     splitk_buffers,
+    splitk_finish,
 )
 
 
@@ -218,7 +218,7 @@ def _fp8_block_gemv_kernel(
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     ws_ptrs = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
     tile = tl.program_id(2) * tl.num_programs(0) + pid_n
-    _splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr + tile, mask, SPLIT_K)
+    splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr + tile, mask, SPLIT_K)
 
 
 @triton.jit
@@ -272,7 +272,7 @@ def _fp8_block_gemm_kernel(
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     ws_ptrs = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
     tile = pid_m * tl.num_programs(0) + pid_n
-    _splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr + tile, mask, SPLIT_K)
+    splitk_finish(acc, out_ptrs, ws_ptrs, lock_ptr + tile, mask, SPLIT_K)
 
 
 def fp8_block_gemm(

@@ -1,5 +1,5 @@
 """The MoE router in one launch for decode batches: gate GEMV (x [T, H] bf16 @ W[E, H]^T, fp32
-logits) + routing (kernels/router.py's semantics) in a single Triton kernel.
+logits) + routing (kernels/routing/router.py's semantics) in a single Triton kernel.
 
 Why: at T <= a few tokens the gate GEMM reads 3.7-5.5 MB of bf16 weight (~1 us of HBM time) but
 the GEMM launch + the route launch cost ~9 us per MoE layer inside a CUDA graph; one launch
@@ -15,15 +15,15 @@ SPLIT_K partials in split order (deterministic logits, no float atomics), stores
 the counter to 0, so the next call or CUDA-graph replay finds it zeroed. In the CPU interpreter
 the programs run one after another and the same counter logic picks the final one.
 
-Routing semantics are exactly ``moeserve.kernels.router.route``'s (see its module docstring):
-sigmoid / softmax scores (its ``_score`` helper), e_score_correction_bias, group-limited top-k
-(noaux_tc best-2 group score, group_limited_greedy best-1), ties to the lower expert (group)
-index, ids best first, weights = unbiased scores, renormalised / routed_scaling_factor per
-``_weight_rule``, S shared-slot columns (ids shared_first_id + j, weight 1.0). The rows are
-routed together as [T, groups, experts per group] tensors with router.py's steps (each top-k
-step one argmax over the flattened rows, weights recomputed from the chosen experts' logits
-reloaded from the workspace). The logits differ from ``torch.mm(x, W.t(), out_dtype=fp32)`` only
-in fp32 summation order.
+Routing semantics are exactly ``moeserve.kernels.routing.router.route``'s (see its module
+docstring): sigmoid / softmax scores (its ``route_score`` helper), e_score_correction_bias,
+group-limited top-k (noaux_tc best-2 group score, group_limited_greedy best-1), ties to the
+lower expert (group) index, ids best first, weights = unbiased scores, renormalised /
+routed_scaling_factor per ``weight_rule``, S shared-slot columns (ids shared_first_id + j,
+weight 1.0). The rows are routed together as [T, groups, experts per group] tensors with
+router.py's steps (each top-k step one argmax over the flattened rows, weights recomputed from
+the chosen experts' logits reloaded from the workspace). The logits differ from ``torch.mm(x,
+W.t(), out_dtype=fp32)`` only in fp32 summation order.
 
 One workspace (``RouterFusedWorkspace``) serves any number of sequential launches on one stream
 (all MoE layers of a decode graph); launches running concurrently on different streams need
@@ -40,14 +40,14 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.router import (
-    _RENORM_EPS,
-    _check,
-    _check_out,
-    _interpreting,
-    _route_rows,
-    _weight_rule,
+from moeserve.kernels.routing.router import (
+    RENORM_EPS,
+    check_out,
+    check_route_args,
+    interpreting,
     route,
+    route_rows,
+    weight_rule,
 )
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def fused_route_supported(x: torch.Tensor, gate_weight: torch.Tensor) -> bool:
         return False
     if x.dtype != torch.bfloat16 or gate_weight.dtype != torch.bfloat16:
         return False
-    if x.device != gate_weight.device or not (x.is_cuda or _interpreting()):
+    if x.device != gate_weight.device or not (x.is_cuda or interpreting()):
         return False
     if x.stride(-1) != 1 or gate_weight.stride(-1) != 1:
         return False
@@ -233,7 +233,7 @@ def _router_fused_kernel(
                 )
             tl.store(logits_ptr + tr * stride_lt + e, x, mask=live)
             x = tl.where(valid, x, float("-inf"))
-            _route_rows(
+            route_rows(
                 x,
                 g,
                 j,
@@ -288,12 +288,12 @@ def route_fused(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] bf16, gate_weight [E, H] bf16 -> (weights fp32 [T, top_k + S], ids int32
     [T, top_k + S]) in one launch: the same result as ``route(x @ W^T in fp32, bias, top_k,
-    ...)`` (kernels/router.py), up to the fp32 summation order of the logits. Needs
+    ...)`` (kernels/routing/router.py), up to the fp32 summation order of the logits. Needs
     fused_route_supported(x, gate_weight). `workspace` (RouterFusedWorkspace.create, sized for
     E and at least T tokens) is required for CUDA-graph capture; without one a fresh one is
     allocated. The fp32 logits stay in workspace.logits[:T]. On a CPU without the Triton
     interpreter it runs the torch reference."""
-    if not fused_route_supported(x, gate_weight) and (x.is_cuda or _interpreting()):
+    if not fused_route_supported(x, gate_weight) and (x.is_cuda or interpreting()):
         raise ValueError(
             "route_fused needs bf16 x [T, H] (1 <= T <= "
             f"{FUSED_MAX_TOKENS}) and bf16 W [E <= {FUSED_MAX_EXPERTS}, H] on one device"
@@ -308,18 +308,20 @@ def route_fused(
         routed_scaling_factor=routed_scaling_factor,
         topk_method=topk_method,
     )
-    # _check validates routing arguments against a logits tensor; a meta one allocates nothing
+    # check_route_args validates against a logits tensor; a meta one allocates nothing
     logits_view = torch.empty(tokens, experts, dtype=torch.float32, device="meta")
-    _check(logits_view, bias, top_k, n_group, topk_group, scoring_func, topk_method, shared_slots)
+    check_route_args(
+        logits_view, bias, top_k, n_group, topk_group, scoring_func, topk_method, shared_slots
+    )
     first_shared = experts if shared_first_id is None else shared_first_id
     width = top_k + shared_slots
     if weights_out is None:
         weights_out = torch.empty(tokens, width, dtype=torch.float32, device=x.device)
     if ids_out is None:
         ids_out = torch.empty(tokens, width, dtype=torch.int32, device=x.device)
-    _check_out(weights_out, "weights_out", (tokens, width), torch.float32)
-    _check_out(ids_out, "ids_out", (tokens, width), torch.int32)
-    if not x.is_cuda and not _interpreting():  # CPU reference: fp32 GEMM, then route's fallback
+    check_out(weights_out, "weights_out", (tokens, width), torch.float32)
+    check_out(ids_out, "ids_out", (tokens, width), torch.int32)
+    if not x.is_cuda and not interpreting():  # CPU reference: fp32 GEMM, then route's fallback
         logits = x.float() @ gate_weight.float().t()
         if workspace is not None:
             workspace.logits[:tokens].copy_(logits)
@@ -345,7 +347,7 @@ def route_fused(
         raise ValueError(f"workspace does not fit {tokens} tokens x {experts} experts")
     grouped = n_group > 1 and topk_method != "greedy"
     groups = n_group if grouped else 1
-    renorm, scale = _weight_rule(topk_method, top_k, norm_topk_prob, routed_scaling_factor)
+    renorm, scale = weight_rule(topk_method, top_k, norm_topk_prob, routed_scaling_factor)
     grid = (triton.cdiv(experts, cfg.block_e) * split,)
     t_p2 = triton.next_power_of_2(tokens)
     _router_fused_kernel[grid](
@@ -383,7 +385,7 @@ def route_fused(
         HAS_BIAS=bias is not None,
         GROUP_TOP2=topk_method == "noaux_tc",
         RENORM=renorm,
-        RENORM_EPS=_RENORM_EPS,
+        RENORM_EPS=RENORM_EPS,
         SHARED=shared_slots,
         S_P2=triton.next_power_of_2(max(shared_slots, 1)),
         ROWS=min(cfg.route_rows, t_p2) if cfg.route_rows > 0 else t_p2,

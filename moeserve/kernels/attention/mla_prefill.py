@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.mla_decode import (
+from moeserve.kernels.attention.mla_decode import (
     KV_LORA_RANK,
     LATENT_DIM,
     LOG2E,

@@ -1,0 +1,1 @@
+"""Collectives: the fused one-shot all-reduce (+ residual + RMSNorm) over peer memory."""

@@ -1,0 +1,1 @@
+"""Row-wise kernels: RMSNorm (with the residual add) and SiLU * up."""

@@ -1,0 +1,1 @@
+"""Tiny checkpoints in the published layouts, for tests and demos."""
