@@ -198,34 +198,26 @@ def bench_deterministic(n_tokens: int, repeats: int) -> dict:
     kernels, batch-invariant by construction), torch's kernels with --deterministic (their
     batch-invariant attention) and without."""
     from moeserve.engine.engine import LLM
-    from moeserve.loader import set_batch_invariant
     from moeserve.sampling import SamplingParams
 
-    engines = {
-        kernels: LLM(None, max_model_len=2048, max_num_seqs=16, cpu_kernels=kernels)
-        for kernels in ("native", "torch")
+    modes = {  # label: engine settings
+        "native": dict(cpu_kernels="native"),
+        "torch --deterministic": dict(cpu_kernels="torch", deterministic=True),
+        "torch": dict(cpu_kernels="torch"),
     }
+    engines = {m: LLM(None, max_model_len=2048, max_num_seqs=16, **kw) for m, kw in modes.items()}
     prompts = [f"{p} (part {i})" for i, p in enumerate(PROMPTS * 2)]
     ids = [_chat_ids(engines["native"].tokenizer, p) for p in prompts]
     params = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
-    modes = {  # label: (engine, batch-invariant attention on torch's kernels)
-        "native": ("native", False),
-        "torch --deterministic": ("torch", True),
-        "torch": ("torch", False),
-    }
     rates: dict[str, list[float]] = {m: [] for m in modes}
     batched: dict[str, list[list[int]]] = {}
     for _ in range(repeats):
-        for mode, (kernels, invariant) in modes.items():
-            llm = engines[kernels]
-            set_batch_invariant(llm.engine.loaded.model, invariant)
+        for mode, llm in engines.items():
             t = time.perf_counter()
             batched[mode] = [c.token_ids for c in llm.generate(ids, params)]
             rates[mode].append(len(ids) * n_tokens / (time.perf_counter() - t))
     out: dict = {"concurrency": len(ids), "tokens": n_tokens, "modes": {}}
-    for mode, (kernels, invariant) in modes.items():
-        llm = engines[kernels]
-        set_batch_invariant(llm.engine.loaded.model, invariant)
+    for mode, llm in engines.items():
         solo = [llm.generate([i], params)[0].token_ids for i in ids]
         out["modes"][mode] = {
             "tok_s": statistics.median(rates[mode]),

@@ -130,31 +130,9 @@ def _banner(engine, name: str, seconds: float) -> str:
         f"{e.max_model_len} tokens{graphs}; {seconds:.1f}s (torch threads {_torch_threads()})"
     )
     memory = format_memory_table(r.memory, e.max_model_len, "moeserve: memory (rank 0)")
-    kernels = _kernel_lines(e)
-    if e.loaded.cpu_kernels:
-        kernels.insert(0, f"  {e.loaded.cpu_kernels}")
-    return "\n".join([head, memory, "moeserve: kernels", *kernels])
-
-
-def _kernel_lines(e) -> list[str]:
-    """What runs for each part of the model on this device (the same decision `moeserve
-    plan` prints; the all-reduce choice is in the parallel part of the banner)."""
-    import torch
-
-    from moeserve.plan import kernel_choices
-
-    dev = e.runner.device
-    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-    choices = kernel_choices(
-        e.loaded.config,
-        e.loaded.quant,
-        cap,
-        e.loaded.kv_cache_dtype,
-        None,
-        enforce_eager=e.config.enforce_eager,
-        cpu_native=e.loaded.cpu_native,
-    )
-    return [c.line() for c in choices]
+    plan = e.loaded.kernel_plan
+    title = f"moeserve: kernels on {plan.hardware.name}"
+    return "\n".join([head, memory, title, *plan.lines()])
 
 
 def _has_cuda() -> bool:

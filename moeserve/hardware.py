@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 MIB = 1 << 20
-# what the engine's all-reduce choice depends on (see `moeserve.plan.kernel_choices`)
+# what the engine's all-reduce choice depends on (see `moeserve.layers.kernel_plan`)
 Interconnect = Literal["nvlink", "pcie-p2p", "pcie"]
 GPUS_PER_HOST = 8  # the largest single-host deployment of every GPU below
 

@@ -11,8 +11,8 @@ meta device once per distinct rank, exactly as the engine would build it, and re
 - activations and CUDA graphs: estimates (`activation_estimate`), where the engine measures;
 - KV pages for `--gpu-memory-utilization` of the GPU's memory and the max context, through
   the engine's own `plan_kv_pages` and printed as the engine's table;
-- the kernels that would run and every fallback with its reason (`kernel_choices`, the one
-  function the engine calls at start-up too).
+- the kernels that would run and every fallback with its reason: the kernel plan
+  (`moeserve.layers.kernel_plan`), the one object the engine resolves at start-up too.
 
 Exit code: 0 when the deployment fits, 1 when it does not (the plan then names the smallest
 `-tp` that fits), 2 for a usage error.
@@ -41,14 +41,10 @@ from moeserve.config import (
     parse_dtype,
 )
 from moeserve.engine.memory import GIB, MemoryPlan, format_memory_table, plan_kv_pages
-from moeserve.hardware import GPUS, GPUS_PER_HOST, MIB, GpuSpec, Interconnect, gpu_spec
-from moeserve.layers.quant.base import NoQuant, QuantConfig, UnquantizedLinearMethod
+from moeserve.hardware import GPUS, GPUS_PER_HOST, MIB, GpuSpec, gpu_spec
+from moeserve.layers.kernel_plan import Hardware, KernelPlan, PlanSettings, resolve_kernel_plan
+from moeserve.layers.quant.base import QuantConfig, UnquantizedLinearMethod
 
-# Triton allows e4m3 conversions (`fp8e4nv`, used by the NVFP4 scale decode, the block-FP8
-# GEMM and the FP8 latent cache) from sm_89 (triton/backends/nvidia/compiler.py)
-FP8_CONVERSION_CAPABILITY = (8, 9)
-# the layout the Triton MLA decode kernel is written for (kernels/attention/mla_decode.py)
-MLA_KERNEL_LAYOUT = (512, 64)
 FP32_BYTES = 4
 # estimates of memory outside the model (the engine measures it as "other" at start-up):
 # CUDA context + cuBLAS/Triton workspaces, and communicator buffers with more than one rank
@@ -62,409 +58,6 @@ HIDDEN_STREAM_BUFFERS = 6
 LOGIT_COPIES = 2
 # largest -tp tried when a deployment does not fit
 MAX_SUGGESTED_TP = 256
-
-
-# ---- kernel choice ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class KernelChoice:
-    """What runs for one part of the model, and why; `fallback`: not what the hardware would
-    ideally run (the reason says what is missing)."""
-
-    what: str
-    choice: str
-    reason: str
-    fallback: bool = False
-
-    def line(self, width: int = 24) -> str:
-        mark = "fallback: " if self.fallback else ""
-        return f"  {self.what:<{width}} {self.choice} ({mark}{self.reason})"
-
-
-def _sm(cap: tuple[int, int]) -> str:
-    return f"sm_{cap[0]}{cap[1]}"
-
-
-def _quant_formats(quant: QuantConfig) -> tuple[str, bool]:
-    """(stored weight format of the quantized layers: none | nvfp4 | fp8-block, W4A4)."""
-    from moeserve.layers.quant.fp8_block import Fp8BlockConfig
-    from moeserve.layers.quant.nvfp4 import CompressedTensorsNvfp4Config, ModelOptNvfp4Config
-
-    if isinstance(quant, ModelOptNvfp4Config | CompressedTensorsNvfp4Config):
-        return "nvfp4", bool(getattr(quant.scheme, "activations", False))
-    if isinstance(quant, Fp8BlockConfig):
-        return "fp8-block", False
-    return "none", False
-
-
-def _linear_prefixes(cfg: ModelConfig) -> Iterator[str]:
-    """The checkpoint-space names of the model's linears (what quant configs match), every
-    layer."""
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}"
-        if cfg.is_mla:
-            attn = ["q_a_proj", "q_b_proj"] if cfg.q_lora_rank else ["q_proj"]
-            attn += ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-        else:
-            attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
-        yield from (f"{p}.self_attn.{a}" for a in attn)
-        moe = cfg.is_moe_layer(i)
-        if moe and not cfg.n_shared_experts:
-            continue
-        mlp = f"{p}.mlp.shared_experts" if moe else f"{p}.mlp"
-        yield from (f"{mlp}.{x}_proj" for x in ("gate", "up", "down"))
-
-
-def effective_kv_cache_dtype(
-    wanted: torch.dtype, capability: tuple[int, int] | None
-) -> tuple[torch.dtype, KernelChoice]:
-    """The latent-cache dtype that runs for `wanted` (resolved from --kv-cache-dtype and the
-    checkpoint, `moeserve.loader.safetensors.resolve_kv_cache_dtype`) on a GPU of
-    `capability` (None: the CPU, whose torch path handles FP8 rows)."""
-    name = str(wanted).replace("torch.", "")
-    if wanted != torch.float8_e4m3fn:
-        return wanted, KernelChoice("KV cache", name, "--kv-cache-dtype, or the model dtype")
-    if capability is not None and capability < FP8_CONVERSION_CAPABILITY:
-        return torch.bfloat16, KernelChoice(
-            "KV cache",
-            "bfloat16",
-            f"an FP8 latent cache needs e4m3 conversions, which Triton allows from "
-            f"{_sm(FP8_CONVERSION_CAPABILITY)}; this GPU is {_sm(capability)}",
-            fallback=True,
-        )
-    return wanted, KernelChoice(
-        "KV cache",
-        "fp8 e4m3",
-        "the checkpoint or --kv-cache-dtype asks for it; one scale per layer, half of bf16's bytes",
-    )
-
-
-def _mla_decode_choice(
-    capability: tuple[int, int],
-    kv_cache_dtype: torch.dtype,
-    page_size: int,
-    setting: str,
-    enforce_eager: bool,
-) -> KernelChoice:
-    """MLA decode on a GPU with the Triton kernels: the Gluon kernel (Hopper) where the
-    cache and --mla-decode-kernel allow it (layers/attention/mla.py), else the Triton one."""
-    from moeserve.kernels.attention.mla_decode_gluon import GLUON_CAPABILITY, GLUON_PAGE_MULTIPLE
-
-    triton_choice = "Triton MLA decode (absorbed, split-KV)"
-    blockers = []
-    if setting == "triton":
-        blockers.append("--mla-decode-kernel triton")
-    if capability != GLUON_CAPABILITY:
-        blockers.append(f"the Gluon kernel is written for {_sm(GLUON_CAPABILITY)}")
-    if kv_cache_dtype != torch.bfloat16:
-        blockers.append("the Gluon kernel reads a BF16 cache")
-    if page_size % GLUON_PAGE_MULTIPLE:
-        blockers.append(
-            f"page size {page_size}: the Gluon kernel needs a multiple of "
-            f"{GLUON_PAGE_MULTIPLE} (--page-size {GLUON_PAGE_MULTIPLE})"
-        )
-    if enforce_eager:
-        blockers.append("--enforce-eager (the Gluon kernel serves CUDA-graph decode)")
-    if blockers:
-        return KernelChoice("MLA decode", triton_choice, "; ".join(blockers))
-    if setting == "gluon":
-        return KernelChoice(
-            "MLA decode", "Gluon MLA decode (TMA + wgmma)", "--mla-decode-kernel gluon"
-        )
-    return KernelChoice(
-        "MLA decode",
-        "Gluon MLA decode (TMA + wgmma) / Triton",
-        "Gluon where it measured faster (cache capacity >= 4096 tokens, or > 16 heads per "
-        "GPU at batch >= 8), Triton elsewhere",
-    )
-
-
-def _cpu_native_choices(model_cfg: ModelConfig, kv_cache_dtype: torch.dtype) -> list[KernelChoice]:
-    """What the native CPU kernels (moeserve/kernels/cpu) serve; one order of arithmetic per
-    output element, so no line names a batch-size-dependent choice."""
-    why = "one arithmetic order per output element, whatever the rows in the step"
-    out = [
-        KernelChoice("linears", "native CPU GEMM (bf16 dot products)", why),
-        KernelChoice(
-            "attention",
-            "native CPU paged attention",
-            "absorbed MLA for every row" if model_cfg.is_mla else "GQA over the paged cache",
-        ),
-    ]
-    if model_cfg.n_routed_experts:
-        out.append(
-            KernelChoice("routed experts", "per-expert loop, native GEMMs", "dequantized per call")
-        )
-    ok = kv_cache_dtype == torch.bfloat16
-    out.append(
-        KernelChoice(
-            "KV cache",
-            str(kv_cache_dtype)[6:],
-            "what the native attention reads" if ok else "torch attention serves this cache",
-            fallback=not ok,
-        )
-    )
-    return out
-
-
-def kernel_choices(
-    model_cfg: ModelConfig,
-    quant: QuantConfig | None,
-    capability: tuple[int, int] | None,
-    kv_cache_dtype: torch.dtype,
-    interconnect: Interconnect | None,
-    *,
-    tp_size: int = 1,
-    hosts: int = 1,
-    all_reduce: str = "auto",
-    enforce_eager: bool = False,
-    page_size: int = 16,
-    mla_decode_kernel: str = "auto",
-    cpu_native: bool = False,
-) -> list[KernelChoice]:
-    """The implementation of each part of the model on a device of `capability` (None: CPU),
-    with the reason for each, fallbacks flagged. `kv_cache_dtype`: the cache dtype asked for
-    (before the hardware's fallback); `interconnect`: how the GPUs of one host reach each
-    other; `all_reduce`: the --all-reduce setting; `page_size` / `mla_decode_kernel`: the
-    --page-size and --mla-decode-kernel settings; `cpu_native`: the native CPU kernels serve
-    (CPU only)."""
-    from moeserve.kernels.select import BLACKWELL_CAPABILITY, select_kernel
-
-    if capability is None and cpu_native:
-        return _cpu_native_choices(model_cfg, kv_cache_dtype)
-
-    quant = quant or NoQuant()
-    fmt, w4a4 = _quant_formats(quant)
-    gpu = capability is not None
-    where = _sm(capability) if gpu else "CPU"
-    triton = gpu and select_kernel("cuda", capability=capability) != "torch"
-    fp8_ok = gpu and capability >= FP8_CONVERSION_CAPABILITY
-    out: list[KernelChoice] = []
-
-    out.append(
-        KernelChoice(
-            "BF16 linears",
-            "cuBLAS (torch.matmul)" if gpu else "torch matmul",
-            "the LM head and every linear the checkpoint keeps unquantized",
-        )
-    )
-
-    native_fp4 = gpu and capability >= BLACKWELL_CAPABILITY
-    quantized_linears = any(
-        not isinstance(quant.linear_method(p), UnquantizedLinearMethod)
-        for p in _linear_prefixes(model_cfg)
-    )
-    if fmt == "nvfp4" and quantized_linears:
-        if not gpu:
-            out.append(KernelChoice("NVFP4 linears", "torch", "dequantized per layer on the CPU"))
-        elif not (triton and fp8_ok):
-            out.append(
-                KernelChoice(
-                    "NVFP4 linears",
-                    "torch (dequantize + cuBLAS)",
-                    f"the Triton NVFP4 kernels decode e4m3 scales, which Triton allows from "
-                    f"{_sm(FP8_CONVERSION_CAPABILITY)}; this GPU is {where}",
-                    fallback=True,
-                )
-            )
-        elif native_fp4:
-            out.append(
-                KernelChoice(
-                    "NVFP4 linears",
-                    "Triton W4A16",
-                    f"native FP4 tensor cores ({where}) are not implemented yet; codes are "
-                    "decoded in registers and multiplied in bf16",
-                    fallback=True,
-                )
-            )
-        else:
-            out.append(
-                KernelChoice(
-                    "NVFP4 linears", "Triton W4A16", "packed codes decoded in registers (GEMV/GEMM)"
-                )
-            )
-    if fmt == "nvfp4" and w4a4:
-        out.append(
-            KernelChoice(
-                "NVFP4 activations",
-                "bf16 (weight-only)",
-                "the checkpoint is W4A4; its input scales are loaded but FP4 activation "
-                "math is not implemented",
-                fallback=True,
-            )
-        )
-    if fmt == "fp8-block" and quantized_linears:
-        from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK
-
-        block = getattr(getattr(quant, "scheme", None), "block", FP8_BLOCK)
-        if not gpu:
-            out.append(KernelChoice("block-FP8 linears", "torch", "dequantized per layer"))
-        elif not (triton and fp8_ok):
-            out.append(
-                KernelChoice(
-                    "block-FP8 linears",
-                    "torch (dequantize + cuBLAS)",
-                    f"the Triton block-FP8 GEMM converts e4m3, which Triton allows from "
-                    f"{_sm(FP8_CONVERSION_CAPABILITY)}; this GPU is {where}",
-                    fallback=True,
-                )
-            )
-        elif block != FP8_BLOCK:
-            out.append(
-                KernelChoice(
-                    "block-FP8 linears",
-                    "torch (dequantize + cuBLAS)",
-                    f"the Triton kernel is written for {FP8_BLOCK}x{FP8_BLOCK} blocks, "
-                    f"not {block}x{block}",
-                    fallback=True,
-                )
-            )
-        else:
-            out.append(
-                KernelChoice(
-                    "block-FP8 linears", "Triton W8A16", "128x128 block scales applied in-kernel"
-                )
-            )
-
-    graph_blockers: list[str] = []
-    if model_cfg.n_routed_experts:
-        first_moe = f"model.layers.{model_cfg.first_k_dense_replace}.mlp.experts"
-        if fmt == "nvfp4" and quant.moe_method(first_moe) is not None:
-            if gpu and triton and fp8_ok:
-                reason = "one launch for all experts; capturable in CUDA graphs"
-                if native_fp4:
-                    reason += "; native FP4 tensor cores not implemented yet (W4A16)"
-                out.append(
-                    KernelChoice(
-                        "routed experts", "fused Triton NVFP4 MoE", reason, fallback=native_fp4
-                    )
-                )
-            elif gpu:
-                out.append(
-                    KernelChoice(
-                        "routed experts",
-                        "per-expert loop (dequantize + cuBLAS)",
-                        f"the fused NVFP4 MoE needs {_sm(FP8_CONVERSION_CAPABILITY)}+",
-                        fallback=True,
-                    )
-                )
-                graph_blockers.append("routed experts")
-            else:
-                out.append(KernelChoice("routed experts", "per-expert loop", "CPU path"))
-        else:
-            fp8 = fmt == "fp8-block" and quant.moe_method(first_moe) is not None
-            stored = "block-FP8" if fp8 else "BF16"
-            block = getattr(getattr(quant, "scheme", None), "block", 128) if fp8 else 128
-            fused_ok = gpu and triton and (fp8_ok or not fp8) and block == 128
-            if fused_ok:
-                out.append(
-                    KernelChoice(
-                        "routed experts",
-                        f"fused Triton {stored} MoE",
-                        "one launch per projection for all experts"
-                        + ("; 128x128 block scales applied in-kernel" if fp8 else "")
-                        + "; capturable in CUDA graphs",
-                    )
-                )
-            elif gpu:
-                why = (
-                    f"the fused block-FP8 MoE needs {_sm(FP8_CONVERSION_CAPABILITY)}+ and "
-                    "128x128 blocks"
-                    if fp8
-                    else "the fused MoE needs the Triton kernels"
-                )
-                out.append(
-                    KernelChoice(
-                        "routed experts",
-                        "per-expert loop (dequantize + cuBLAS)",
-                        f"{why}; the loop reads expert ids on the host, so decode cannot be "
-                        "captured in a CUDA graph",
-                        fallback=True,
-                    )
-                )
-                graph_blockers.append("routed experts")
-            else:
-                out.append(KernelChoice("routed experts", "per-expert loop", "CPU path"))
-
-    if model_cfg.is_mla:
-        layout = (model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim)
-        if gpu and triton and layout == MLA_KERNEL_LAYOUT:
-            out.append(
-                _mla_decode_choice(
-                    capability, kv_cache_dtype, page_size, mla_decode_kernel, enforce_eager
-                )
-            )
-        elif gpu:
-            why = (
-                f"the Triton kernel is written for the {MLA_KERNEL_LAYOUT[0]}+"
-                f"{MLA_KERNEL_LAYOUT[1]} layout, not {layout[0]}+{layout[1]}"
-                if layout != MLA_KERNEL_LAYOUT
-                else f"no Triton kernels on {where}"
-            )
-            out.append(KernelChoice("MLA decode", "torch (gather + einsum)", why, fallback=True))
-            graph_blockers.append("MLA decode")
-        else:
-            out.append(KernelChoice("MLA decode", "torch (gather + einsum)", "CPU path"))
-        if gpu and triton and layout == MLA_KERNEL_LAYOUT:
-            prefill = KernelChoice(
-                "MLA prefill",
-                "Triton MLA prefill (absorbed, over the paged latent cache)",
-                "every prefill chunk of a step in one launch; decode rows keep the decode kernel",
-            )
-        else:
-            prefill = KernelChoice(
-                "MLA prefill",
-                "torch SDPA, expanded form",
-                "per sequence; the cached latent is expanded through kv_b_proj",
-            )
-        out.append(prefill)
-    else:
-        out.append(KernelChoice("attention", "torch SDPA", "paged KV gathered per sequence"))
-        graph_blockers.append("attention")
-
-    out.append(effective_kv_cache_dtype(kv_cache_dtype, capability)[1])
-
-    if gpu:
-        if enforce_eager:
-            out.append(KernelChoice("CUDA graphs", "off", "--enforce-eager"))
-        elif graph_blockers:
-            out.append(
-                KernelChoice(
-                    "CUDA graphs",
-                    "off (decode runs eagerly)",
-                    f"{', '.join(graph_blockers)} cannot be captured",
-                    fallback=True,
-                )
-            )
-        else:
-            out.append(KernelChoice("CUDA graphs", "decode replayed", "every part is capturable"))
-
-    if tp_size > 1:
-        out.append(_all_reduce_choice(gpu, interconnect, hosts, all_reduce))
-    return out
-
-
-def _all_reduce_choice(
-    gpu: bool, interconnect: Interconnect | None, hosts: int, all_reduce: str
-) -> KernelChoice:
-    if not gpu:
-        return KernelChoice("all-reduce", "gloo", "CPU processes")
-    if hosts > 1:
-        return KernelChoice("all-reduce", "NCCL", f"the ranks span {hosts} hosts")
-    if all_reduce == "nccl":
-        return KernelChoice("all-reduce", "NCCL", "--all-reduce nccl")
-    if interconnect in ("nvlink", "pcie-p2p"):
-        return KernelChoice(
-            "all-reduce",
-            "one-shot over peer memory, NCCL above the size threshold",
-            f"the GPUs read each other's memory ({interconnect})",
-        )
-    return KernelChoice(
-        "all-reduce",
-        "NCCL",
-        "the GPUs cannot read each other's memory (PCIe without peer access), so no "
-        "one-shot all-reduce",
-        fallback=True,
-    )
 
 
 # ---- weights per rank -----------------------------------------------------------------------
@@ -654,7 +247,7 @@ class Plan:
     memory: MemoryPlan
     max_model_len: int
     model_len: int
-    choices: list[KernelChoice]
+    kernel_plan: KernelPlan
     kv_need_tokens: int  # what the KV cache must hold for the deployment to fit
     index_total: int | None  # a safetensors index's total_size (all ranks, as stored)
     shared_slots: int = 0  # shared experts held as slots of the routed banks (layers/moe.py)
@@ -739,28 +332,29 @@ def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig
     act_dtype = parse_dtype(engine.load.dtype, cfg.dtype, "cuda")
     weights, model = weights_per_gpu(cfg, quant, act_dtype, tp, ep)
     wanted = resolve_kv_cache_dtype(engine.cache.kv_cache_dtype, kv_algo, act_dtype)
-    kv_dtype = effective_kv_cache_dtype(wanted, gpu.capability)[0]
     hosts = -(-tp // GPUS_PER_HOST)
-    choices = kernel_choices(
-        cfg,
-        quant,
-        gpu.capability,
-        wanted,
-        gpu.interconnect,
+    settings = PlanSettings(
+        act_dtype=act_dtype,
+        kv_cache_dtype=wanted,
+        page_size=engine.cache.page_size,
+        mla_decode_kernel=engine.cache.mla_decode_kernel,
+        enforce_eager=engine.enforce_eager,
+        deterministic=engine.load.deterministic,
+        cpu_kernels=engine.load.cpu_kernels,
         tp_size=tp,
         hosts=hosts,
         all_reduce=engine.parallel.all_reduce,
-        enforce_eager=engine.enforce_eager,
-        page_size=engine.cache.page_size,
-        mla_decode_kernel=engine.cache.mla_decode_kernel,
+        interconnect=gpu.interconnect,
     )
+    kernel_plan = resolve_kernel_plan(cfg, quant, Hardware.planned_gpu(gpu.capability), settings)
+    kv_dtype = kernel_plan.kv_cache_dtype
     per_token = sum(layer.kv_cache_bytes_per_token(kv_dtype) for layer in model.attention_layers())
     sched = engine.scheduler
     tokens = sched.max_num_batched_tokens
     act = activation_estimate(
         cfg, tp, tokens, min(tokens, sched.max_num_seqs), tokens, act_dtype.itemsize, ep
     )
-    graphs_on = any(c.what == "CUDA graphs" and c.choice == "decode replayed" for c in choices)
+    graphs_on = kernel_plan.cuda_graphs
     graph = 0
     if graphs_on:
         batch = engine.graph_max_batch("cuda")
@@ -805,7 +399,7 @@ def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig
         memory=memory,
         max_model_len=min(model_len, memory.kv_tokens),
         model_len=model_len,
-        choices=choices,
+        kernel_plan=kernel_plan,
         kv_need_tokens=need,
         index_total=_index_total(path),
         shared_slots=next(
@@ -907,10 +501,8 @@ def format_plan(plan: Plan, suggestion: int | None = None) -> str:
         + (f" + {COMM_BUFFER_BYTES // MIB} MiB communication buffers" if plan.tp > 1 else "")
     )
     lines.append(f"kernels on {plan.gpu.key} ({plan.gpu.sm}):")
-    width = max(len(c.what) for c in plan.choices)
-    lines += [c.line(width) for c in plan.choices]
-    n_fallbacks = sum(c.fallback for c in plan.choices)
-    lines.append(f"fallbacks: {n_fallbacks}")
+    lines += plan.kernel_plan.lines()
+    lines.append(f"fallbacks: {plan.kernel_plan.fallbacks}")
     if not plan.fits:
         m = plan.memory
         rest = m.activation_bytes + m.graph_bytes + m.other_bytes

@@ -73,13 +73,10 @@ class DecodeGraphs:
         max_batch: int,
         pad_row: int,
         max_context: int,
-        options: dict | None = None,
     ) -> None:
         """`forward(ids, positions, rows, seq_lens)`: the decode forward to capture;
         `model`: whose modules get `prepare_cuda_graph`; `pad_row`: the page-table row of
-        padding columns; `options`: settings the modules' hooks read from their `shared`
-        dict (e.g. "mla_decode_kernel")."""
-        self.options = dict(options or {})
+        padding columns."""
         self.forward = forward
         self.model = model
         self.device = device
@@ -110,7 +107,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         t0 = time.perf_counter()
         self.allocate_inputs()
-        shared: dict = dict(self.options)  # settings, then scratch layers of a kind share
+        shared: dict = {}  # scratch that layers of a kind share
         for m in self.model.modules():
             hook = getattr(m, "prepare_cuda_graph", None)
             if hook is not None:

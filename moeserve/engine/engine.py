@@ -54,7 +54,9 @@ from moeserve.engine.worker import (
     rank_device,
     run_worker,
 )
+from moeserve.layers.kernel_plan import PlanSettings
 from moeserve.loader import load_model, resolve_model_path
+from moeserve.loader.base import Planning
 from moeserve.parallel.groups import SINGLE, TPGroup
 from moeserve.sampling import Sampler, SamplingError, SamplingParams, is_device_error
 
@@ -580,13 +582,24 @@ def build_rank(cfg: EngineConfig, tp: TPGroup, device: str) -> ModelRunner:
         load_format=cfg.load.load_format,
         tp=tp,
         seed=cfg.load.seed,
-        deterministic=cfg.load.deterministic,
-        cpu_kernels=cfg.load.cpu_kernels,
+        planning=Planning(settings=plan_settings(cfg, tp.size)),
     )
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
     loaded = replace(loaded, load_seconds=time.perf_counter() - t0)
     return ModelRunner(cfg, loaded, device, tp)
+
+
+def plan_settings(cfg: EngineConfig, tp_size: int) -> PlanSettings:
+    """The engine settings the kernel plan depends on (the loader adds the dtypes)."""
+    return PlanSettings(
+        page_size=cfg.cache.page_size,
+        mla_decode_kernel=cfg.cache.mla_decode_kernel,
+        enforce_eager=cfg.enforce_eager,
+        deterministic=cfg.load.deterministic,
+        cpu_kernels=cfg.load.cpu_kernels,
+        tp_size=tp_size,
+    )
 
 
 def _with_communicator(cfg: EngineConfig, tp: TPGroup, device: str, dtype: torch.dtype) -> TPGroup:

@@ -321,7 +321,6 @@ class ModelRunner:
             max_batch,
             self.max_rows,
             self.max_model_len,
-            {"mla_decode_kernel": self.config.cache.mla_decode_kernel},
         )
         before = torch.cuda.memory_reserved(self.device)
         try:

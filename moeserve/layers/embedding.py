@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.layers.kernel_plan import KernelPlan
 from moeserve.layers.quant.base import LinearMethod, make_param, materialize
 from moeserve.parallel.groups import SINGLE, TPGroup
 
@@ -49,23 +50,25 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, *args, method: LinearMethod | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.method = method
+        self.native_cpu = False  # the native CPU kernels (the kernel plan)
         self.batch_invariant = False  # --deterministic: the batch-invariant GEMM on GPUs
 
+    def use_kernel_plan(self, plan: KernelPlan) -> None:
+        self.native_cpu = plan.cpu_native
+        self.batch_invariant = plan.invariant
+
     def process_weights_after_loading(self) -> None:
+        """A weight-only method repacks itself (for the native CPU kernels where they serve);
+        a plain bf16 head gets a packed copy for them (a tied embedding keeps its rows for
+        lookups)."""
         if self.method is not None:
             self.method.process_weights_after_loading(self)
+            return
+        w = self.weight
+        if self.native_cpu and w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0:
+            from moeserve.kernels import cpu as cpu_kernels
 
-    def use_native_cpu(self) -> bool:
-        """fp32 logits by the native kernels: a weight-only method packed itself at load; a
-        plain bf16 head gets a packed copy (a tied embedding keeps its rows for lookups)."""
-        from moeserve.kernels import cpu as cpu_kernels
-
-        if self.method is not None:
-            return getattr(self, "native_weight", None) is not None
-        if self.weight.dtype != torch.bfloat16 or self.weight.shape[1] % 2:
-            return False
-        self.native_weight = cpu_kernels.pack_bf16(self.weight.data)
-        return True
+            self.native_weight = cpu_kernels.pack_bf16(w.data)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head's methods (lm_head_method) take an output dtype: fp32 logits."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeserve.layers.kernel_plan import KernelPlan
 from moeserve.layers.quant.base import (
     NoQuant,
     QuantConfig,
@@ -53,9 +54,10 @@ class LinearBase(nn.Module):
         self.local_outputs = self._local_output_sizes()
         self.local_output = sum(self.local_outputs)
         self.method = (quant or NoQuant()).linear_method(prefix)
-        # --deterministic: each row's result independent of the step's other rows (the
-        # methods' batch-invariant schedules)
-        self.batch_invariant = False
+        # the kernel plan's choices for this layer (use_kernel_plan, before loading)
+        self.gpu_kernels = False  # Triton kernels on the stored format
+        self.native_cpu = False  # the native CPU kernels
+        self.batch_invariant = False  # --deterministic schedules
         self.method.create_weights(self, self.local_input, self.local_output, dtype)
         if bias:
             self.bias = make_param(torch.zeros(self.local_output, dtype=dtype), 0, None)
@@ -115,8 +117,10 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
 
-    def use_native_cpu(self) -> bool:
-        return self.method.use_native_cpu(self)
+    def use_kernel_plan(self, plan: KernelPlan) -> None:
+        self.gpu_kernels = plan.quantized_linears == "triton"
+        self.native_cpu = plan.cpu_native
+        self.batch_invariant = plan.invariant
 
     def prepare_cuda_graph(self, max_tokens: int, max_context: int, shared: dict) -> None:
         self.method.prepare_cuda_graph(self, max_tokens, shared)

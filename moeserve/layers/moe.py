@@ -35,6 +35,7 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.kernels import cpu as cpu_kernels
+from moeserve.layers.kernel_plan import KernelPlan
 from moeserve.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -49,7 +50,7 @@ from moeserve.layers.quant.base import (
     make_param,
     materialize,
 )
-from moeserve.layers.quant.scheme import WeightScheme, gpu_kernels_enabled
+from moeserve.layers.quant.scheme import WeightScheme
 from moeserve.parallel.groups import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
@@ -197,11 +198,12 @@ class DeepseekMLP(nn.Module):
             reduce_results=reduce_output,
             **kw,
         )
-        self.native = False  # SiLU * up by the native CPU kernel (use_native_cpu)
+        self.native = False  # SiLU * up by the native CPU kernel (the kernel plan)
+        self.silu_kernel = False  # ... by the Triton kernel
 
-    def use_native_cpu(self) -> bool:
-        self.native = True
-        return True
+    def use_kernel_plan(self, plan: KernelPlan) -> None:
+        self.native = plan.cpu_native
+        self.silu_kernel = plan.triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native = self.native and x.dtype == torch.bfloat16
@@ -213,7 +215,7 @@ class DeepseekMLP(nn.Module):
         gu = self.gate_up_proj(x)
         if native:
             return self.down_proj(cpu_kernels.silu_mul(gu))
-        if gu.is_cuda and gu.dim() == 2 and gpu_kernels_enabled(gu.device):
+        if self.silu_kernel and gu.is_cuda and gu.dim() == 2:
             from moeserve.kernels.elementwise.activation import silu_mul
 
             return self.down_proj(silu_mul(gu))
@@ -416,25 +418,26 @@ class RoutedExperts(nn.Module):
         self._hidden = hidden
         # the fused kernels' one-token combine counters (zeroed; the kernel re-zeroes them)
         self._combine_counters: torch.Tensor | None = None
-        self.native = False  # the expert loop through the native CPU kernels
+        # the kernel plan's choices (use_kernel_plan, before loading)
+        self.fused = False  # the fused Triton MoE (else the per-expert loop)
+        # the expert loop through the native CPU kernels: each expert's weights dequantized
+        # and packed per call (the model holds no dense copy of itself)
+        self.native = False
         # --deterministic: the fused kernels' tensor-core schedule at every token count
         self.batch_invariant = False
 
-    def use_native_cpu(self) -> bool:
-        """Each expert's weights are dequantized and packed per call (the model holds no dense
-        copy of itself)."""
-        if self._hidden % 2 or self.w13.local_out % 2:
-            return False
-        self.native = True
-        return True
+    def use_kernel_plan(self, plan: KernelPlan) -> None:
+        self.fused = plan.moe == "fused"
+        self.native = plan.cpu_native and self._hidden % 2 == 0 and self.w13.local_out % 2 == 0
+        self.batch_invariant = plan.invariant
 
     def process_weights_after_loading(self) -> None:
-        """Choose the GPU kernel once: the fused NVFP4 MoE (`_nvfp4_args`) or the fused
-        block-FP8 / 16-bit MoE (`_elementwise_args`); neither on CPUs (the expert loop)."""
+        """The fused kernel's arguments, once: the fused NVFP4 MoE (`_nvfp4_args`) or the
+        fused block-FP8 / 16-bit MoE (`_elementwise_args`); neither for the expert loop."""
         self._nvfp4_args = self._elementwise_args = None
         w13 = self.w13.view()
         first = next(iter(w13.values()))
-        if first.device.type != "cuda" or not gpu_kernels_enabled(first.device):
+        if not self.fused:
             return
         from moeserve.kernels.moe.nvfp4 import combine_counters_needed
 
@@ -622,31 +625,35 @@ class Router(nn.Module):
         # the one-launch gate GEMV + routing's scratch (GPU, where its kernel applies)
         self.fused_workspace = None
         self.native_weight = None  # the gate packed for the native CPU kernels
+        # the kernel plan's choices (use_kernel_plan, before loading)
+        self.triton = False  # the Triton routing kernels
+        self.fused = False  # the one-launch gate GEMV + routing (its probe passed)
+        self.native_cpu = False
         self.batch_invariant = False  # --deterministic: the batch-invariant GEMM on GPUs
 
-    def use_native_cpu(self) -> bool:
-        """fp32 logits from bf16 x and gate (products exact, one summation order)."""
-        if self.weight.dtype != torch.bfloat16 or self.weight.shape[1] % 2:
-            return False
-        self.native_weight = cpu_kernels.pack_bf16(self.weight.data)
-        return True
+    def use_kernel_plan(self, plan: KernelPlan) -> None:
+        self.triton = plan.triton
+        self.fused = plan.router_fused
+        self.native_cpu = plan.cpu_native
+        self.batch_invariant = plan.invariant
 
     def process_weights_after_loading(self) -> None:
-        """Whether this torch has the bf16 GEMM with fp32 output (mm.dtype, CUDA only), and
-        the fused router's workspace where that kernel can serve this gate."""
+        """The gate packed for the native CPU kernels (fp32 logits from bf16 x and gate:
+        products exact, one summation order), or on GPUs: whether this torch has the bf16 GEMM
+        with fp32 output (mm.dtype), and the fused router's workspace."""
         w = self.weight
         self._fp32_out = False
         self.fused_workspace = None
-        if w.is_cuda and gpu_kernels_enabled(w.device):
+        if self.native_cpu and w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0:
+            self.native_weight = cpu_kernels.pack_bf16(w.data)
+        if self.fused:
             from moeserve.kernels.routing.router_fused import (
                 FUSED_WINS_MAX_TOKENS,
                 RouterFusedWorkspace,
                 fused_route_supported,
-                probe_route_fused,
             )
 
-            # w[:1]: a one-token bf16 x of the gate's width
-            if fused_route_supported(w[:1], w) and probe_route_fused(w.device, *w.shape):
+            if fused_route_supported(w[:1], w):  # w[:1]: a one-token bf16 x of its width
                 self.fused_workspace = RouterFusedWorkspace.create(
                     w.shape[0], w.device, max_tokens=FUSED_WINS_MAX_TOKENS
                 )
@@ -791,7 +798,7 @@ class DeepseekMoE(nn.Module):
             routed_scaling_factor=c.routed_scaling_factor,
         )
         bias = self.gate.e_score_correction_bias
-        if self.gate.fused_workspace is not None and not self.gate.batch_invariant:
+        if self.gate.fused_workspace is not None:
             from moeserve.kernels.routing.router_fused import prefer_fused_route, route_fused
 
             if prefer_fused_route(x, self.gate.weight):  # one launch for GEMV + routing
@@ -805,7 +812,7 @@ class DeepseekMoE(nn.Module):
                     **kw,
                 )
         logits = self.gate(x)
-        if x.is_cuda and gpu_kernels_enabled(x.device):
+        if self.gate.triton and x.is_cuda:
             from moeserve.kernels.routing.router import route
 
             return route(logits, bias, c.num_experts_per_tok, shared_slots=slots, **kw)

@@ -11,13 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.layers.kernel_plan import KernelPlan
 from moeserve.layers.quant.base import copy_loader, make_param
-from moeserve.layers.quant.scheme import gpu_kernels_enabled
-
-
-def use_norm_kernels(x: torch.Tensor) -> bool:
-    """Whether the Triton norm kernels serve `x` (a 2D CUDA tensor on a supported GPU)."""
-    return x.is_cuda and x.dim() == 2 and gpu_kernels_enabled(x.device)
 
 
 class RMSNorm(nn.Module):
@@ -26,9 +21,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = make_param(torch.ones(size, dtype=dtype), None, None)
         self.weight.weight_loader = copy_loader
+        self.kernels = False  # the Triton norm kernels serve (the kernel plan)
+
+    def use_kernel_plan(self, plan: KernelPlan) -> None:
+        self.kernels = plan.triton
 
     def _kernel_ok(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        if not use_norm_kernels(x) or x.stride(-1) != 1 or x.dtype != self.weight.dtype:
+        if not (self.kernels and x.is_cuda and x.dim() == 2):
+            return False
+        if x.stride(-1) != 1 or x.dtype != self.weight.dtype:
             return False
         return residual is None or (
             residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1

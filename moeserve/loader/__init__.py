@@ -12,7 +12,7 @@ import torch
 
 from moeserve.config import ConfigError
 from moeserve.errors import LoadError
-from moeserve.loader.base import LoadedModel
+from moeserve.loader.base import DEFAULT_PLANNING, LoadedModel, Planning
 from moeserve.loader.validate import read_json, validate_checkpoint
 
 log = logging.getLogger(__name__)
@@ -58,15 +58,14 @@ def load_model(
     load_format: str = "auto",
     tp=None,
     seed: int = 0,
-    deterministic: bool = False,
-    cpu_kernels: str = "auto",
+    planning: Planning = DEFAULT_PLANNING,
 ) -> LoadedModel:
     """Load a model path; any failure is a `LoadError` of one sentence naming the path (the
     traceback is logged at debug level). Files are checked first (validate.py), so a
     corrupt header is refused before a loader reads, maps or allocates anything it declares.
-    `cpu_kernels` (auto, native, torch): which kernels serve a CPU model (`resolve_cpu_kernels`)."""
+    `planning`: what the kernel plan is resolved for (moeserve.layers.kernel_plan)."""
     path = resolve_model_path(model)
-    native, kernels_line = resolve_cpu_kernels(cpu_kernels, device, dtype)
+    _check_cpu_kernels(planning.settings.cpu_kernels, device, dtype)
     if load_format != "dummy" or path.endswith(".gguf"):
         validate_checkpoint(path)
     elif (Path(path) / "config.json").is_file():
@@ -82,7 +81,7 @@ def load_model(
             load_format=load_format,
             tp=tp,
             seed=seed,
-            native=native,
+            planning=planning,
         )
     except LoadError:
         raise
@@ -92,55 +91,21 @@ def load_model(
         log.debug("loading %s failed", path, exc_info=True)
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise LoadError(f"cannot load {path}: {type(e).__name__}: {first}") from None
-    if native:
-        use_native_cpu_kernels(loaded.model)
-    set_batch_invariant(loaded.model, deterministic and not native)
-    loaded.cpu_native, loaded.cpu_kernels = native, kernels_line
-    if kernels_line:
-        log.info("%s", kernels_line)
     return loaded
 
 
-NATIVE_PROPERTY = "every logit independent of how its sequence is split into steps or batched"
-
-
-def resolve_cpu_kernels(choice: str, device: str, dtype: torch.dtype) -> tuple[bool, str]:
-    """(whether the native CPU kernels serve this model, one line saying which kernels do and
-    why). They serve CPU models with bf16 activations (auto, native) once they build; `native`
-    where they cannot is a LoadError."""
-    if torch.device(device).type != "cpu":
-        return False, ""
-    if choice == "torch":
-        return False, "CPU kernels: torch (--cpu-kernels torch)"
+def _check_cpu_kernels(choice: str, device: str, dtype: torch.dtype) -> None:
+    """--cpu-kernels native where the native kernels cannot serve is a LoadError (auto falls
+    back to torch's with a line in the kernel plan)."""
+    if choice != "native" or torch.device(device).type != "cpu":
+        return
     if dtype != torch.bfloat16:
-        if choice == "native":
-            raise LoadError("--cpu-kernels native needs bf16 activations (--dtype bfloat16)")
-        return False, f"CPU kernels: torch ({str(dtype)[6:]} activations; native ones take bf16)"
+        raise LoadError("--cpu-kernels native needs bf16 activations (--dtype bfloat16)")
     from moeserve.kernels import cpu as cpu_kernels
 
     lib, line = cpu_kernels.load()
     if lib is None:
-        if choice == "native":
-            raise LoadError(line)
-        return False, f"CPU kernels: {line}"
-    return True, f"CPU kernels: {line}: {NATIVE_PROPERTY}"
-
-
-def use_native_cpu_kernels(model: torch.nn.Module) -> None:
-    """Hand every layer that has a native CPU form to the native kernels (once, after
-    loading): linear layers, attention, activations, routers, the LM head."""
-    for layer in model.modules():
-        hook = getattr(layer, "use_native_cpu", None)
-        if hook is not None:
-            hook()
-
-
-def set_batch_invariant(model: torch.nn.Module, on: bool) -> None:
-    """Layers that can run batch-invariant do so (attention: see `PagedAttention`; CPU
-    weight-only linears: no prefill-only GEMM path). The native CPU kernels are so always."""
-    for layer in model.modules():
-        if hasattr(layer, "batch_invariant"):
-            layer.batch_invariant = on
+        raise LoadError(f"--cpu-kernels native: {line}")
 
 
 def _load(
@@ -154,7 +119,7 @@ def _load(
     load_format: str,
     tp,
     seed: int,
-    native: bool,
+    planning: Planning,
 ) -> LoadedModel:
     if path.endswith(".gguf"):
         from moeserve.loader.gguf import load_gguf_model
@@ -168,7 +133,7 @@ def _load(
             num_layers=num_layers,
             load_format=load_format,
             kv_cache_dtype=kv_cache_dtype,
-            native=native,
+            planning=planning,
         )
     if not (Path(path) / "config.json").is_file():
         raise LoadError(f"{path} is neither a .gguf file nor a folder with config.json")
@@ -184,4 +149,5 @@ def _load(
         num_layers=num_layers,
         load_format=load_format,
         seed=seed,
+        planning=planning,
     )

@@ -1,15 +1,59 @@
-"""What a loader returns: the model with its weights, its tokenizer and its description."""
+"""What a loader returns (the model with its weights, its tokenizer, its kernel plan and its
+description), and how every loader builds a model: the kernel plan resolved and handed to its
+layers before any weight is read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from moeserve.config import ModelConfig
+from moeserve.layers.kernel_plan import (
+    Hardware,
+    KernelPlan,
+    PlanSettings,
+    apply_kernel_plan,
+    resolve_kernel_plan,
+)
+from moeserve.layers.quant.base import QuantConfig
+from moeserve.parallel.groups import SINGLE, TPGroup
 from moeserve.tokenizer.base import Tokenizer
+
+
+@dataclass(frozen=True)
+class Planning:
+    """What the kernel plan is resolved for: the hardware (None: the load device's own) and
+    the settings (the loader fills in the activation and cache dtypes)."""
+
+    hardware: Hardware | None = None
+    settings: PlanSettings = field(default_factory=PlanSettings)
+
+
+DEFAULT_PLANNING = Planning()  # the load device's hardware, default settings
+
+
+def build_model(
+    cls: type[nn.Module],
+    cfg: ModelConfig,
+    quant: QuantConfig | None,
+    dtype: torch.dtype,
+    device: str,
+    kv_cache_dtype: torch.dtype,
+    planning: Planning,
+    tp: TPGroup = SINGLE,
+) -> tuple[nn.Module, KernelPlan]:
+    """The model of `cfg` on `device`, its layers handed the kernel plan (which they use when
+    processing the weights loaded next)."""
+    hardware = planning.hardware or Hardware.of(device)
+    settings = replace(planning.settings, act_dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    plan = resolve_kernel_plan(cfg, quant, hardware, settings)
+    with torch.device(device):
+        model = cls(cfg, quant, tp, dtype)
+    apply_kernel_plan(model, plan)
+    return model, plan
 
 
 @dataclass
@@ -19,7 +63,6 @@ class LoadedModel:
     config: ModelConfig
     kv_cache_dtype: torch.dtype  # what the runner allocates the paged cache in
     description: str  # one line for the start-up banner: format, quantization, dtype
+    kernel_plan: KernelPlan  # what serves each part of the model (the banner prints it)
     quant: Any = None  # the checkpoint's QuantConfig (None: unquantized or GGUF)
     load_seconds: float = 0.0  # building the model and reading (or generating) its weights
-    cpu_native: bool = False  # the native CPU kernels serve (moeserve.kernels.cpu)
-    cpu_kernels: str = ""  # CPU: one line saying which kernels serve (banner), "" elsewhere

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from moeserve.config import ConfigError, ModelConfig
 from moeserve.errors import LoadError
-from moeserve.loader.base import LoadedModel
+from moeserve.loader.base import DEFAULT_PLANNING, LoadedModel, Planning, build_model
 from moeserve.parallel.groups import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def load_gguf_model(
     num_layers: int | None = None,
     load_format: str = "auto",
     kv_cache_dtype: str = "auto",
-    native: bool = False,
+    planning: Planning = DEFAULT_PLANNING,
 ) -> LoadedModel:
     """Build the model of a GGUF file (llama or deepseek2) and load its weights.
 
@@ -170,10 +170,10 @@ def load_gguf_model(
     f = _GGUFFile(reader, meta, arch_meta, tokenizer)
     tp = tp or SINGLE
     if arch == "deepseek2":
-        return _load_deepseek2(f, dtype, device, quantize, tp, num_layers, kv_cache_dtype)
+        return _load_deepseek2(f, dtype, device, quantize, tp, num_layers, kv_cache_dtype, planning)
     if tp.size > 1:
         raise LoadError("tensor parallelism over a llama GGUF file is not supported")
-    return _load_llama(f, dtype, device, quantize, num_layers, native)
+    return _load_llama(f, dtype, device, quantize, num_layers, planning)
 
 
 def _load_llama(
@@ -182,9 +182,8 @@ def _load_llama(
     device: str,
     quantize: str,
     num_layers: int | None,
-    native: bool,
+    planning: Planning,
 ) -> LoadedModel:
-    """`native`: the native CPU kernels serve (weights packed for them, a bf16 cache)."""
     from moeserve.layers.quant.cpu import cpu_quant_config
     from moeserve.models.registry import model_class
 
@@ -195,13 +194,14 @@ def _load_llama(
     if num_layers is not None:
         cfg = cfg.with_layers(num_layers)
     cfg = _with_special_ids(cfg, f.tokenizer)
-    quant = cpu_quant_config(_resolve_quantization(quantize, f.reader, dtype, device), native)
-    model = model_class(cfg.architecture)(cfg, quant=quant, dtype=dtype)
+    quant = cpu_quant_config(_resolve_quantization(quantize, f.reader, dtype, device))
+    model, plan = build_model(
+        model_class(cfg.architecture), cfg, quant, dtype, device, dtype, planning
+    )
     model.load_weights(iter_llama_weights(f.reader, cfg))
-    model.to(device)
-    # CPU: the native attention reads bf16 (what k and v are); torch's is faster over fp32
-    kv_dtype = torch.float32 if device == "cpu" and not native else dtype
-    return LoadedModel(model, f.tokenizer, cfg, kv_dtype, f.describe(f"weights {quant.name}"))
+    return LoadedModel(
+        model, f.tokenizer, cfg, plan.kv_cache_dtype, f.describe(f"weights {quant.name}"), plan
+    )
 
 
 def _load_deepseek2(
@@ -212,6 +212,7 @@ def _load_deepseek2(
     tp: TPGroup,
     num_layers: int | None,
     kv_cache_dtype: str,
+    planning: Planning,
 ) -> LoadedModel:
     from moeserve.layers.quant.base import NoQuant
     from moeserve.loader.gguf_deepseek import deepseek2_hf_config, iter_deepseek2_weights
@@ -229,7 +230,10 @@ def _load_deepseek2(
     if num_layers is not None:
         cfg = cfg.with_layers(num_layers)
     cfg = _with_special_ids(cfg, f.tokenizer)
-    model = model_class(cfg.architecture)(cfg, NoQuant(), tp, dtype)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, None, dtype)
+    model, plan = build_model(
+        model_class(cfg.architecture), cfg, NoQuant(), dtype, device, kv_dtype, planning, tp
+    )
     loaded = model.load_weights(iter_deepseek2_weights(f.reader, cfg, dequantize))
     missing = [
         n
@@ -238,12 +242,11 @@ def _load_deepseek2(
     ]
     if missing:
         raise LoadError(f"GGUF file lacks {len(missing)} weights, e.g. {missing[0]!r}")
-    model = model.to(device).eval()
-    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, None, dtype)
+    model = model.eval()
     what = f"deepseek2 {cfg.num_hidden_layers} layers, weights dequantized to {dtype}"
     if tp.size > 1:
         what += f", tensor-parallel rank {tp.rank} of {tp.size}"
-    return LoadedModel(model, f.tokenizer, cfg, kv_dtype, f.describe(what))
+    return LoadedModel(model, f.tokenizer, cfg, plan.kv_cache_dtype, f.describe(what), plan)
 
 
 _Q4 = {"Q4_0", "Q4_1", "Q4_K"}

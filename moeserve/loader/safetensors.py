@@ -28,7 +28,7 @@ from moeserve.layers.quant.parse import (
     quant_config_from_checkpoint,
     read_checkpoint_quant,
 )
-from moeserve.loader.base import LoadedModel
+from moeserve.loader.base import DEFAULT_PLANNING, LoadedModel, Planning, build_model
 from moeserve.models.registry import model_class
 from moeserve.models.weights import finish_loading
 from moeserve.parallel.groups import SINGLE, TPGroup
@@ -243,6 +243,7 @@ def load_safetensors_model(
     load_format: str = "auto",
     stats: ReadStats | None = None,
     seed: int = 0,
+    planning: Planning = DEFAULT_PLANNING,
 ) -> LoadedModel:
     """Build the model of an HF checkpoint folder on `device` and load this rank's slices of
     its weights in their stored format (each slice read once, straight into its parameter;
@@ -260,8 +261,10 @@ def load_safetensors_model(
     kv_dtype = resolve_kv_cache_dtype(
         kv_cache_dtype, read_checkpoint_quant(path, raw).kv_cache_quant_algo, dtype
     )
-    with torch.device(device):
-        model = model_class(cfg.architecture)(cfg, quant, tp, dtype)
+    model, plan = build_model(
+        model_class(cfg.architecture), cfg, quant, dtype, device, kv_dtype, planning, tp
+    )
+    kv_dtype = plan.kv_cache_dtype
     if load_format == "dummy":
         _dummy_fill(model, seed)
         finish_loading(model)
@@ -279,4 +282,4 @@ def load_safetensors_model(
     model = model.eval()
     tokenizer = load_hf_tokenizer(path)
     desc = _describe(cfg, quant, dtype, kv_dtype)
-    return LoadedModel(model, tokenizer, cfg, kv_dtype, desc, quant)
+    return LoadedModel(model, tokenizer, cfg, kv_dtype, desc, plan, quant)

@@ -13,6 +13,7 @@ from moeserve.kernels import cpu as cpu_kernels
 from moeserve.layers.attention.metadata import ForwardContext
 from moeserve.layers.attention.mha import PagedAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from moeserve.layers.kernel_plan import KernelPlan
 from moeserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.quant.base import QuantConfig
@@ -83,11 +84,10 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size, [i, i], prefix=f"{prefix}.gate_up_proj", **kw
         )
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, prefix=f"{prefix}.down_proj", **kw)
-        self.native = False  # SiLU * up by the native CPU kernel (use_native_cpu)
+        self.native = False  # SiLU * up by the native CPU kernel (the kernel plan)
 
-    def use_native_cpu(self) -> bool:
-        self.native = True
-        return True
+    def use_kernel_plan(self, plan: KernelPlan) -> None:
+        self.native = plan.cpu_native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)

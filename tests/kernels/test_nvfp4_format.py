@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moeserve.kernels.gemm import nvfp4_format as fmt
-from moeserve.loader import checkpoint_writer
+from moeserve.testing import checkpoints as checkpoint_writer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is imported
 
-import logging  # noqa: E402
 import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -14,7 +13,6 @@ import torch  # noqa: E402
 from moeserve.kernels.gemm import nvfp4_format as fmt  # noqa: E402
 from moeserve.kernels.gemm import nvfp4_gemm as nv  # noqa: E402
 from moeserve.kernels.gemm import splitk  # noqa: E402
-from moeserve.kernels.select import select_kernel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -243,15 +241,6 @@ def test_bad_shapes_rejected():
         nv.nvfp4_gemm(x[:, :16], packed, scale, gs)
     with pytest.raises(ValueError):
         nv.nvfp4_gemm(x, packed, scale[:, :1].contiguous(), gs)
-
-
-def test_select_kernel(caplog):
-    assert select_kernel("cpu") == "torch"
-    assert select_kernel("cuda", capability=(9, 0)) == "triton_w4a16"
-    assert select_kernel("cuda", capability=(7, 5)) == "torch"
-    with caplog.at_level(logging.INFO, logger="moeserve.kernels.select"):
-        assert select_kernel("cuda", capability=(10, 0)) == "triton_w4a16"
-    assert sum("blackwell_fp4" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize("decode", [nv.DECODE_ARITH, nv.DECODE_BITS])

@@ -86,7 +86,7 @@ def test_the_default_runs_the_native_kernels_at_bf16(server):
 
     loaded = server.engine.engine.loaded
     assert loaded.kv_cache_dtype == torch.bfloat16
-    assert loaded.cpu_native and "native" in loaded.cpu_kernels
+    assert loaded.kernel_plan.cpu_native
 
 
 def test_a_question_asked_again_gets_the_same_answer(server, client):

@@ -16,6 +16,13 @@ from moeserve import plan
 from moeserve.cli import main
 from moeserve.config import EngineConfig, ModelConfig
 from moeserve.hardware import GPUS, MIB
+from moeserve.layers.kernel_plan import (
+    Hardware,
+    KernelChoice,
+    PlanSettings,
+    effective_kv_cache_dtype,
+    resolve_kernel_plan,
+)
 from moeserve.layers.quant.base import NoQuant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -246,13 +253,25 @@ def _kimi() -> tuple[ModelConfig, object]:
     return cfg, quant
 
 
-def _by_what(choices: list[plan.KernelChoice]) -> dict[str, plan.KernelChoice]:
+def _by_what(choices) -> dict[str, KernelChoice]:
     return {c.what: c for c in choices}
+
+
+def _choices(cfg, quant, cap, kv, interconnect, **settings) -> list[KernelChoice]:
+    """The kernel plan's lines for a GPU of capability `cap` (None: a CPU with torch's
+    kernels) and these settings."""
+    if cap is None:
+        hw = Hardware()
+        settings.setdefault("cpu_kernels", "torch")
+    else:
+        hw = Hardware.planned_gpu(cap)
+    ps = PlanSettings(kv_cache_dtype=kv, interconnect=interconnect, **settings)
+    return list(resolve_kernel_plan(cfg, quant, hw, ps).choices)
 
 
 def test_choices_hopper_nvlink():
     cfg, quant = _kimi()
-    c = _by_what(plan.kernel_choices(cfg, quant, (9, 0), torch.float8_e4m3fn, "nvlink", tp_size=8))
+    c = _by_what(_choices(cfg, quant, (9, 0), torch.float8_e4m3fn, "nvlink", tp_size=8))
     assert c["NVFP4 linears"].choice == "Triton W4A16" and not c["NVFP4 linears"].fallback
     assert c["routed experts"].choice == "fused Triton NVFP4 MoE"
     assert c["MLA decode"].choice.startswith("Triton MLA decode")
@@ -265,28 +284,26 @@ def test_choices_hopper_nvlink():
 def test_choices_blackwell_and_pcie():
     cfg, quant = _kimi()
     for cap in ((10, 0), (12, 0)):
-        c = _by_what(plan.kernel_choices(cfg, quant, cap, torch.float8_e4m3fn, "pcie", tp_size=8))
+        c = _by_what(_choices(cfg, quant, cap, torch.float8_e4m3fn, "pcie", tp_size=8))
         assert c["NVFP4 linears"].fallback and "native FP4" in c["NVFP4 linears"].reason
         assert c["all-reduce"].choice == "NCCL" and c["all-reduce"].fallback
         assert "PCIe without peer access" in c["all-reduce"].reason
-    c = _by_what(plan.kernel_choices(cfg, quant, (12, 0), torch.bfloat16, "pcie-p2p", tp_size=2))
+    c = _by_what(_choices(cfg, quant, (12, 0), torch.bfloat16, "pcie-p2p", tp_size=2))
     assert c["all-reduce"].choice.startswith("one-shot")
-    c = _by_what(
-        plan.kernel_choices(cfg, quant, (9, 0), torch.bfloat16, "nvlink", tp_size=16, hosts=2)
-    )
+    c = _by_what(_choices(cfg, quant, (9, 0), torch.bfloat16, "nvlink", tp_size=16, hosts=2))
     assert c["all-reduce"].choice == "NCCL" and "2 hosts" in c["all-reduce"].reason
 
 
 def test_choices_ampere_falls_back_from_fp8():
     cfg, quant = _kimi()
-    c = _by_what(plan.kernel_choices(cfg, quant, (8, 0), torch.float8_e4m3fn, "nvlink"))
+    c = _by_what(_choices(cfg, quant, (8, 0), torch.float8_e4m3fn, "nvlink"))
     assert c["KV cache"].choice == "bfloat16" and c["KV cache"].fallback
     assert "sm_89" in c["KV cache"].reason and "sm_80" in c["KV cache"].reason
     assert c["NVFP4 linears"].choice.startswith("torch") and c["NVFP4 linears"].fallback
     assert c["routed experts"].fallback
     assert c["CUDA graphs"].fallback  # the per-expert loop cannot be captured
     assert "all-reduce" not in c  # one GPU
-    assert plan.effective_kv_cache_dtype(torch.float8_e4m3fn, (8, 9))[0] == torch.float8_e4m3fn
+    assert effective_kv_cache_dtype(torch.float8_e4m3fn, (8, 9))[0] == torch.float8_e4m3fn
 
 
 def test_choices_small_mla_layout_and_bf16_experts_and_cpu():
@@ -296,14 +313,14 @@ def test_choices_small_mla_layout_and_bf16_experts_and_cpu():
         max_position_embeddings=128, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
     )  # fmt: skip
-    c = _by_what(plan.kernel_choices(cfg, NoQuant(), (9, 0), torch.bfloat16, "nvlink"))
+    c = _by_what(_choices(cfg, NoQuant(), (9, 0), torch.bfloat16, "nvlink"))
     assert c["MLA decode"].choice.startswith("torch") and "512+64" in c["MLA decode"].reason
     assert c["routed experts"].choice == "fused Triton BF16 MoE"
     assert not c["routed experts"].fallback
     assert (
         "MLA decode" in c["CUDA graphs"].reason and "routed experts" not in c["CUDA graphs"].reason
     )
-    cpu = plan.kernel_choices(cfg, NoQuant(), None, torch.float8_e4m3fn, None, tp_size=2)
+    cpu = _choices(cfg, NoQuant(), None, torch.float8_e4m3fn, None, tp_size=2)
     assert not any(x.fallback for x in cpu)
     assert _by_what(cpu)["all-reduce"].choice == "gloo"
     assert _by_what(cpu)["KV cache"].choice == "fp8 e4m3"
@@ -323,7 +340,7 @@ def test_choices_follow_what_the_checkpoint_quantizes(tmp_path):
     # the writer's Kimi NVFP4 layout quantizes the routed experts only: no NVFP4 linears
     write_checkpoint(str(tmp_path / "k"), "kimi-k2.5", "nvfp4-modelopt")
     cfg, quant, _, _ = plan.load_model_description(str(tmp_path / "k"))
-    c = _by_what(plan.kernel_choices(cfg, quant, (9, 0), torch.bfloat16, "nvlink"))
+    c = _by_what(_choices(cfg, quant, (9, 0), torch.bfloat16, "nvlink"))
     assert "NVFP4 linears" not in c
     assert c["routed experts"].choice == "fused Triton NVFP4 MoE"
     assert c["NVFP4 activations"].fallback  # W4A4 experts still run weight-only
@@ -347,7 +364,7 @@ def test_mla_decode_kernel_choice_follows_cache_page_size_and_setting():
     cfg, quant, _, _ = plan.load_model_description(DSV3)
 
     def mla(cap, kv, **kw):
-        return _by_what(plan.kernel_choices(cfg, quant, cap, kv, "nvlink", **kw))["MLA decode"]
+        return _by_what(_choices(cfg, quant, cap, kv, "nvlink", **kw))["MLA decode"]
 
     auto = mla((9, 0), torch.bfloat16, page_size=64)
     assert auto.choice.startswith("Gluon") and "measured faster" in auto.reason

@@ -63,7 +63,7 @@ class Native:
     path: str
 
     def describe(self) -> str:
-        return "native (AVX-512 BF16 build)" if self.simd else "native (portable C build)"
+        return "AVX-512 BF16 build" if self.simd else "portable C build"
 
 
 def _cache_dir() -> Path:
@@ -132,4 +132,4 @@ def load() -> tuple[Native | None, str]:
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
         log.debug("native CPU kernels unavailable", exc_info=True)
         return None, f"torch's (the native ones did not build: {e})"
-    return native, native.describe()
+    return native, f"native ({native.describe()})"

@@ -17,6 +17,7 @@ from torch import nn
 
 from moeserve.kernels import cpu as cpu_kernels
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
+from moeserve.layers.kernel_plan import KernelPlan
 
 # torch's CPU flash attention splits keys into blocks of this many (from position 0)
 INVARIANT_BLOCK = 512
@@ -37,12 +38,12 @@ class PagedAttention(nn.Module):
         # batch-invariant attention (deterministic mode): each query row gets the same
         # arithmetic alone or in any batch, chunk or prefix-cache split (see `_invariant`)
         self.batch_invariant = False
-        self.native = False  # the native CPU kernel serves (use_native_cpu, bf16 cache)
+        self.native = False  # the native CPU kernel serves (the kernel plan; a bf16 cache)
         self._native_ok = False
 
-    def use_native_cpu(self) -> bool:
-        self.native = True
-        return True
+    def use_kernel_plan(self, plan: KernelPlan) -> None:
+        self.native = plan.cpu_native
+        self.batch_invariant = plan.invariant
 
     # ---- cache contract used by the runner ------------------------------------------------
     def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:

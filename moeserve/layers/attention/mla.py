@@ -25,7 +25,7 @@ Two execution paths:
   products read kv_b_proj as stored (block-FP8 or 16-bit, kernels/attention/mla_absorb.py) for
   decode-sized batches, else run as bmm on its dense weight. Strided views instead of
   copies throughout; no host syncs (CUDA-graph capturable).
-- native CPU kernels (bf16 cache; `use_native_cpu`): the absorbed form for every row, decode
+- native CPU kernels (bf16 cache; the kernel plan): the absorbed form for every row, decode
   or prefill (W_UK and W_UV products per head and the attention over the latent rows through
   `moeserve.kernels.cpu`), so a row's result does not depend on how its sequence was split
   into steps.
@@ -45,13 +45,14 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
+from moeserve.layers.kernel_plan import KernelPlan
 from moeserve.layers.linear import (
     ColumnParallelLinear,
     MergedReplicatedLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
-from moeserve.layers.norm import RMSNorm, use_norm_kernels
+from moeserve.layers.norm import RMSNorm
 from moeserve.layers.quant.base import (
     NoQuant,
     QuantConfig,
@@ -59,7 +60,7 @@ from moeserve.layers.quant.base import (
     make_param,
     materialize,
 )
-from moeserve.layers.quant.scheme import SchemeLinearMethod, dense_weight, gpu_kernels_enabled
+from moeserve.layers.quant.scheme import SchemeLinearMethod, dense_weight
 from moeserve.layers.rotary import RotaryEmbedding, yarn_mscale
 from moeserve.parallel.groups import SINGLE, TPGroup
 
@@ -113,7 +114,7 @@ class MLADecodeScratch:
     partial_lse: torch.Tensor  # flat fp32 [rows * heads]
     num_heads: int
     sm_count: int
-    gluon: str | None = None  # "prefer", "always" or None (MLAAttention._gluon_decode)
+    gluon: str | None = None  # "prefer", "always" or None (the kernel plan's MLA decode)
 
     @staticmethod
     def plan(
@@ -246,10 +247,13 @@ class MLAAttention(nn.Module):
         # kv_b_proj's stored (weight, block scale or None) for the absorbed-product kernels;
         # chosen at the first kernel-path call (False: they cannot read this format)
         self._absorb_stored: tuple[torch.Tensor, torch.Tensor | None] | bool | None = None
-        # None: the Triton kernels serve supported GPUs; True forces them (tests run them
-        # under the Triton interpreter on a CPU), False forbids them
-        self.use_kernels: bool | None = None
-        # native CPU kernels: per-head W_UK / W_UV products, packed once (use_native_cpu)
+        # the kernel plan's choices (use_kernel_plan, before loading): the Triton kernels
+        # (tests also set this on a CPU, under the Triton interpreter), the Gluon decode
+        # kernel's role, the native CPU kernels
+        self.use_kernels = False
+        self._gluon: str | None = None
+        self._native_wanted = False
+        # native CPU kernels: per-head W_UK / W_UV products, packed once after loading
         self._native_absorb: tuple[list, list] | None = None
         self._native_ok = False
         # --deterministic on GPUs: every row through the prefill kernel, absorbed products by
@@ -274,48 +278,30 @@ class MLAAttention(nn.Module):
         if self._native_absorb is not None and not self._native_ok:
             log.info("MLA: a %s cache: torch attention (the native CPU kernel reads bf16)", dtype)
 
-    def use_native_cpu(self) -> bool:
-        """W_UK [h, nope, L] as h linear weights [L, nope] and W_UV [h, v, L] as h [v, L],
-        packed once (a dense copy of kv_b_proj only)."""
+    def use_kernel_plan(self, plan: KernelPlan) -> None:
+        self.use_kernels = plan.mla == "triton"
+        self._gluon = {"gluon": "always", "gluon-prefer": "prefer"}.get(plan.mla_decode)
+        self._native_wanted = plan.mla == "native"
+        self.batch_invariant = plan.invariant
+
+    def process_weights_after_loading(self) -> None:
+        """Native CPU kernels: W_UK [h, nope, L] as h linear weights [L, nope] and W_UV
+        [h, v, L] as h [v, L], packed once (a dense copy of kv_b_proj only)."""
         from moeserve.kernels import cpu as cpu_kernels
 
-        if self.nope % 2 or self.kv_lora % 2 or self.latent_dim % 2:
-            return False
+        if not self._native_wanted or self.nope % 2 or self.kv_lora % 2 or self.latent_dim % 2:
+            return
         w = dense_weight(self.kv_b_proj, torch.bfloat16)
         w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
         uk = [cpu_kernels.pack_bf16(w[h, : self.nope].t()) for h in range(self.num_heads)]
         uv = [cpu_kernels.pack_bf16(w[h, self.nope :]) for h in range(self.num_heads)]
         self._native_absorb = (uk, uv)
-        return True
 
     @property
     def supports_cuda_graph(self) -> bool:
         """Only the Triton kernels' decode is capturable: the torch path sizes its gather from
         host-side sequence lengths."""
         return self._kernels(self.kv_cache)
-
-    def _gluon_decode(self, choice: str) -> str | None:
-        """The Gluon decode kernel's role for this cache (--mla-decode-kernel): "prefer"
-        (auto: where it measured faster), "always" (gluon), or None (triton, a cache it
-        cannot serve: FP8, a page size not a multiple of 64, not sm_90; or its start-up probe
-        against the reference failed here)."""
-        from moeserve.kernels.attention.mla_decode_gluon import gluon_mla_supported, probe_gluon_mla
-
-        if choice == "triton":
-            return None
-        # a one-row query stands in for the real ones (same device)
-        if not gluon_mla_supported(self.kv_cache.new_empty(1, 1, 1), self.kv_cache):
-            if choice == "gluon":
-                log.warning(
-                    "--mla-decode-kernel gluon: this cache (%s, page size %d) or GPU cannot "
-                    "take it; the Triton kernel serves",
-                    self.kv_cache.dtype,
-                    self.kv_cache.shape[1],
-                )
-            return None
-        if not probe_gluon_mla(self.kv_cache.device, self.num_heads):  # logged its reason
-            return None
-        return "always" if choice == "gluon" else "prefer"
 
     def prepare_cuda_graph(self, max_batch: int, max_context: int, shared: dict) -> None:
         """Static decode state for graph capture: the split-KV scratch (one for all layers,
@@ -329,9 +315,8 @@ class MLAAttention(nn.Module):
         scratch = shared.get(key)
         if scratch is None:
             sm = torch.cuda.get_device_properties(dev).multi_processor_count
-            gluon = self._gluon_decode(shared.get("mla_decode_kernel", "auto"))
             scratch = MLADecodeScratch.allocate(
-                max_batch, self.num_heads, max_context, dtype, dev, sm, gluon
+                max_batch, self.num_heads, max_context, dtype, dev, sm, self._gluon
             )
             shared[key] = scratch
         self._decode_scratch = scratch
@@ -359,9 +344,7 @@ class MLAAttention(nn.Module):
             and rot.rotary_dim == self.rope
             and rot.cos.dtype == torch.float32
         )
-        if self.use_kernels is not None:
-            return fits and self.use_kernels
-        return fits and t.is_cuda and gpu_kernels_enabled(t.device)
+        return fits and self.use_kernels
 
     def _write(self, c: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor) -> None:
         """torch path: store [c | roped k_pe] rows (the kernel path writes in its rope launch)."""
@@ -467,7 +450,7 @@ class MLAAttention(nn.Module):
         if fused is not None:
             qkv = fused(x)
             qn, kvn = self.q_a_layernorm, self.kv_a_layernorm
-            norm_kernels = self.use_kernels or use_norm_kernels(qkv)  # as RMSNorm decides
+            norm_kernels = self.use_kernels or qn.kernels  # as RMSNorm decides
             if norm_kernels and qkv.dtype == qn.weight.dtype == kvn.weight.dtype:
                 from moeserve.kernels.elementwise.norm import rms_norm_pair
 

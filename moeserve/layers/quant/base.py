@@ -83,12 +83,6 @@ class LinearMethod(ABC):
         that every layer can share go into `shared` (optional)."""
         return None
 
-    def use_native_cpu(self, layer: nn.Module) -> bool:
-        """Serve `layer` through the native CPU kernels from now on (called once after
-        loading, where they serve: CPU, bf16 activations); False where this method has no
-        native form and keeps torch's."""
-        return False
-
 
 class UnquantizedLinearMethod(LinearMethod):
     """Dense weights in the model dtype."""
@@ -98,14 +92,17 @@ class UnquantizedLinearMethod(LinearMethod):
     ) -> None:
         layer.weight = make_param(torch.empty(output_size, input_size, dtype=dtype))
 
-    def use_native_cpu(self, layer: nn.Module) -> bool:
-        from moeserve.kernels import cpu as cpu_kernels
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight
+        if (
+            getattr(layer, "native_cpu", False)
+            and w.dtype == torch.bfloat16
+            and w.shape[1] % 2 == 0
+        ):
+            from moeserve.kernels import cpu as cpu_kernels
 
-        if layer.weight.dtype != torch.bfloat16 or layer.weight.shape[1] % 2:
-            return False
-        # the packed copy serves the matmul; `weight` stays for readers of the dense matrix
-        layer.native_weight = cpu_kernels.pack_bf16(layer.weight.data)
-        return True
+            # the packed copy serves the matmul; `weight` stays for readers of the dense matrix
+            layer.native_weight = cpu_kernels.pack_bf16(w.data)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed = getattr(layer, "native_weight", None)
@@ -113,7 +110,7 @@ class UnquantizedLinearMethod(LinearMethod):
             from moeserve.kernels import cpu as cpu_kernels
 
             return cpu_kernels.linear(x, packed)
-        if x.is_cuda and getattr(layer, "batch_invariant", False):
+        if x.is_cuda and layer.batch_invariant:
             from moeserve.kernels.gemm.invariant import gemm16
 
             return gemm16(x.reshape(-1, x.shape[-1]), layer.weight).view(*x.shape[:-1], -1)

@@ -50,16 +50,16 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class _StagedMethod(LinearMethod):
-    """Loads into an fp32 weight (no rounding before repacking), applies in `act_dtype`.
+    """Loads into an fp32 weight (no rounding before repacking), applies in `act_dtype`; where
+    the kernel plan hands the layer to the native CPU kernels (`layer.native_cpu`), repacks for
+    them (`layer.native_weight`) instead of torch's."""
 
-    `native`: repack for the native CPU kernels (`layer.native_weight`) instead of torch's."""
-
-    def __init__(self, prefill_copy: bool = True, native: bool = False) -> None:
+    def __init__(self, prefill_copy: bool = True) -> None:
         self.prefill_copy = prefill_copy
-        self.native = native
 
-    def _use_native(self, layer: nn.Module) -> bool:
-        return self.native and layer.act_dtype == torch.bfloat16
+    @staticmethod
+    def _use_native(layer: nn.Module) -> bool:
+        return getattr(layer, "native_cpu", False) and layer.act_dtype == torch.bfloat16
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None
@@ -75,7 +75,6 @@ class _StagedMethod(LinearMethod):
         raise NotImplementedError
 
     def _keep_copy(self, layer: nn.Module, dequantized: torch.Tensor) -> None:
-        layer.batch_invariant = False
         if self.prefill_copy and layer.act_dtype == torch.bfloat16:
             layer.register_buffer("dense", dequantized.to(torch.bfloat16).contiguous())
 
@@ -83,7 +82,7 @@ class _StagedMethod(LinearMethod):
     def _dense_rows(layer: nn.Module, x: torch.Tensor) -> bool:
         return (
             hasattr(layer, "dense")
-            and not layer.batch_invariant
+            and not getattr(layer, "batch_invariant", False)
             and x.numel() >= PREFILL_ROWS * x.shape[-1]
         )
 
@@ -170,25 +169,23 @@ class Int4WeightOnlyMethod(_StagedMethod):
 
 class CpuWeightOnlyConfig(QuantConfig):
     """Linear layers in `bits` (4 or 8); the LM head in int8 (tied embeddings are Q8 in GGUF
-    files, and int4 would lose more there). `native`: packed for the native CPU kernels."""
+    files, and int4 would lose more there)."""
 
-    def __init__(self, bits: int, native: bool = False) -> None:
+    def __init__(self, bits: int) -> None:
         self.bits = bits
-        self.native = native
         self.name = f"int{bits}-weight-only"
 
     def linear_method(self, prefix: str) -> LinearMethod:
-        cls = Int4WeightOnlyMethod if self.bits == 4 else Int8WeightOnlyMethod
-        return cls(native=self.native)
+        return Int4WeightOnlyMethod() if self.bits == 4 else Int8WeightOnlyMethod()
 
     def lm_head_method(self) -> LinearMethod | None:
         # the LM head sees a step's logit rows only (few): no prefill copy
-        return Int8WeightOnlyMethod(prefill_copy=False, native=self.native)
+        return Int8WeightOnlyMethod(prefill_copy=False)
 
 
-def cpu_quant_config(name: str, native: bool = False) -> QuantConfig:
+def cpu_quant_config(name: str) -> QuantConfig:
     if name in ("none", "", None):
         return NoQuant()
     if name in ("int4", "int8"):
-        return CpuWeightOnlyConfig(int(name[3:]), native)
+        return CpuWeightOnlyConfig(int(name[3:]))
     raise ConfigError(f"unknown CPU quantization {name!r}; use auto, none, int4 or int8")

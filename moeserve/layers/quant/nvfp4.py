@@ -25,7 +25,6 @@ from moeserve.layers.quant.scheme import (
     SchemeLinearMethod,
     TensorSpec,
     WeightScheme,
-    gpu_kernels_enabled,
     splitk_fits,
 )
 
@@ -126,7 +125,7 @@ class Nvfp4LinearMethod(SchemeLinearMethod):
         tensors = self.tensors(layer)
         packed, scale, gs = self.scheme.nvfp4_view(tensors)
         dev = packed.device
-        if dev.type != "cuda" or not gpu_kernels_enabled(dev):
+        if dev.type != "cuda" or not layer.gpu_kernels:
             return
         from moeserve.kernels.gemm.nvfp4_gemm import plan_nvfp4_gemm
 

@@ -10,7 +10,6 @@ an NVFP4 scheme's tensors go to the Triton kernels as they are stored.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -126,29 +125,23 @@ class SchemeLinearMethod(LinearMethod):
         one stream and leave it zeroed), so a captured GEMM allocates nothing per call."""
         tensors = self.tensors(layer)
         dev = tensors[layer.scheme_suffixes[0]].device
-        if dev.type != "cuda" or not gpu_kernels_enabled(dev):
+        if dev.type != "cuda" or not layer.gpu_kernels:
             return
         if self.scheme.has_gpu_matmul(tensors):
             layer.splitk_workspace = shared_splitk_workspace(
                 shared, max_tokens, layer.local_output, dev
             )
 
-    def use_native_cpu(self, layer: nn.Module) -> bool:
-        """Each call dequantizes (the model holds no dense copy of itself) and packs for the
-        native kernels."""
-        if layer.local_input % 2:
-            return False
-        layer.native_cpu = True
-        return True
-
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if getattr(layer, "native_cpu", False) and x.dtype == torch.bfloat16:
+        # native CPU kernels: each call dequantizes (the model holds no dense copy of itself)
+        # and packs for them
+        if layer.native_cpu and x.dtype == torch.bfloat16 and layer.local_input % 2 == 0:
             from moeserve.kernels import cpu as cpu_kernels
 
             packed = cpu_kernels.pack_bf16(self.dense_weight(layer, torch.bfloat16))
             return cpu_kernels.linear(x, packed)
-        invariant = getattr(layer, "batch_invariant", False)
-        if x.is_cuda and gpu_kernels_enabled(x.device):
+        invariant = layer.batch_invariant
+        if x.is_cuda and layer.gpu_kernels:
             x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
             tensors = self.tensors(layer)
             ws = getattr(layer, "splitk_workspace", None)
@@ -190,14 +183,6 @@ def shared_splitk_workspace(shared: dict, m: int, n: int, device: torch.device) 
             elems, tiles = max(elems, ws.partial.numel()), max(tiles, ws.locks.numel())
         ws = shared["splitk_workspace"] = SplitKWorkspace.create(elems, tiles, device)
     return ws
-
-
-@functools.cache
-def gpu_kernels_enabled(device: torch.device) -> bool:
-    """Whether the Triton kernels serve this device (kernel choice by compute capability)."""
-    from moeserve.kernels.select import select_kernel
-
-    return select_kernel(device) != "torch"
 
 
 def dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,606 @@
+"""The kernel plan: for each part of a model, the implementation that serves it on a device, and
+why; resolved once at load from the hardware, the activation dtype, the checkpoint's format and
+the settings.
+
+The loader resolves it before any weight is read, hands it to every layer
+(`apply_kernel_plan`: each layer keeps what it needs from it and never asks again), and the
+start-up banner prints it; `moeserve plan` resolves the same object for a GPU that is not
+there (`Hardware.gpu`). Start-up probes that can turn a choice down on a real device (the
+Gluon MLA decode kernel, the one-launch router) run here, so the printed plan is what runs.
+
+Capabilities: Triton's tensor-core kernels need sm_80 (bf16); e4m3 conversions (NVFP4 scales,
+block-FP8 weights, an FP8 latent cache) need sm_89; native FP4 tensor cores (sm_100) are not
+written yet, so Blackwell runs the W4A16 kernels and the plan says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.hardware import Interconnect
+from moeserve.layers.quant.base import NoQuant, QuantConfig, UnquantizedLinearMethod
+
+log = logging.getLogger(__name__)
+
+TRITON_CAPABILITY = (8, 0)  # bf16 tensor cores
+# Triton allows e4m3 conversions (`fp8e4nv`) from sm_89 (triton/backends/nvidia/compiler.py)
+FP8_CONVERSION_CAPABILITY = (8, 9)
+BLACKWELL_CAPABILITY = (10, 0)
+# the layout the Triton MLA kernels are written for (kernels/attention/mla_decode.py)
+MLA_KERNEL_LAYOUT = (512, 64)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the plan is resolved for: a CPU (`native_cpu`: the native CPU kernels build on
+    it), or a GPU of a compute capability; `probe`: a real device, where start-up probes may
+    turn a choice down (False: planning for a GPU that is not there)."""
+
+    capability: tuple[int, int] | None = None
+    native_cpu: bool = False
+    native_build: str = ""  # which build of the native CPU kernels loaded
+    probe: bool = False
+    device: str = "cpu"
+
+    @property
+    def gpu(self) -> bool:
+        return self.capability is not None
+
+    @property
+    def name(self) -> str:
+        return f"sm_{self.capability[0]}{self.capability[1]}" if self.gpu else "CPU"
+
+    @staticmethod
+    def of(device: torch.device | str) -> Hardware:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            cap = torch.cuda.get_device_capability(dev)
+            return Hardware(capability=tuple(cap), probe=True, device=str(dev))
+        from moeserve.kernels import cpu as cpu_kernels
+
+        lib = cpu_kernels.native()
+        build = lib.describe() if lib is not None else ""
+        return Hardware(native_cpu=lib is not None, native_build=build, device="cpu")
+
+    @staticmethod
+    def planned_gpu(capability: tuple[int, int]) -> Hardware:
+        return Hardware(capability=tuple(capability))
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What runs for one part of the model, and why; `fallback`: not what the hardware would
+    ideally run (the reason says what is missing)."""
+
+    what: str
+    choice: str
+    reason: str
+    fallback: bool = False
+
+    def line(self, width: int = 24) -> str:
+        mark = "fallback: " if self.fallback else ""
+        return f"  {self.what:<{width}} {self.choice} ({mark}{self.reason})"
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The settings a kernel choice depends on (EngineConfig's, resolved)."""
+
+    act_dtype: torch.dtype = torch.bfloat16
+    kv_cache_dtype: torch.dtype = torch.bfloat16  # asked for (before the hardware's fallback)
+    page_size: int = 16
+    mla_decode_kernel: str = "auto"
+    enforce_eager: bool = False
+    deterministic: bool = False
+    cpu_kernels: str = "auto"
+    tp_size: int = 1
+    hosts: int = 1
+    all_reduce: str = "auto"
+    interconnect: Interconnect | None = None
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The decisions the layers read, and the lines the banner and `moeserve plan` print."""
+
+    hardware: Hardware
+    choices: tuple[KernelChoice, ...]
+    triton: bool = False  # Triton kernels serve norms, SiLU*up, routing (GPU, sm_80+)
+    quantized_linears: str = "torch"  # NVFP4 / block-FP8 linears: "triton" or "torch"
+    moe: str = "loop"  # "fused" or "loop" (the per-expert loop)
+    mla: str = "torch"  # "triton" (absorbed kernels), "native" (CPU) or "torch"
+    mla_decode: str = "torch"  # "gluon", "gluon-prefer", "triton", "prefill" or "torch"
+    router_fused: bool = False  # the one-launch gate GEMV + routing for one token
+    cpu_native: bool = False  # the native CPU kernels (bf16 activations)
+    invariant: bool = False  # batch-invariant schedules (--deterministic)
+    cuda_graphs: bool = False
+    kv_cache_dtype: torch.dtype = torch.bfloat16  # what the cache is allocated in
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def lines(self) -> list[str]:
+        width = max((len(c.what) for c in self.choices), default=0)
+        return [c.line(width) for c in self.choices]
+
+    @property
+    def fallbacks(self) -> int:
+        return sum(c.fallback for c in self.choices)
+
+
+def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> None:
+    """Hand the plan to every layer that chooses a kernel (once, before its weights are read
+    and processed: some repack for the kernels they will run)."""
+    for layer in model.modules():
+        hook = getattr(layer, "use_kernel_plan", None)
+        if hook is not None:
+            hook(plan)
+
+
+# ---- resolution -------------------------------------------------------------------------------
+def _sm(cap: tuple[int, int]) -> str:
+    return f"sm_{cap[0]}{cap[1]}"
+
+
+def quant_formats(quant: QuantConfig) -> tuple[str, bool]:
+    """(stored weight format of the quantized layers: none | nvfp4 | fp8-block, W4A4)."""
+    from moeserve.layers.quant.fp8_block import Fp8BlockConfig
+    from moeserve.layers.quant.nvfp4 import CompressedTensorsNvfp4Config, ModelOptNvfp4Config
+
+    if isinstance(quant, ModelOptNvfp4Config | CompressedTensorsNvfp4Config):
+        return "nvfp4", bool(getattr(quant.scheme, "activations", False))
+    if isinstance(quant, Fp8BlockConfig):
+        return "fp8-block", False
+    return "none", False
+
+
+def _linear_prefixes(cfg: ModelConfig) -> Iterator[str]:
+    """The checkpoint-space names of the model's linears (what quant configs match)."""
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        if cfg.is_mla:
+            attn = ["q_a_proj", "q_b_proj"] if cfg.q_lora_rank else ["q_proj"]
+            attn += ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+        else:
+            attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        yield from (f"{p}.self_attn.{a}" for a in attn)
+        moe = cfg.is_moe_layer(i)
+        if moe and not cfg.n_shared_experts:
+            continue
+        mlp = f"{p}.mlp.shared_experts" if moe else f"{p}.mlp"
+        yield from (f"{mlp}.{x}_proj" for x in ("gate", "up", "down"))
+
+
+def effective_kv_cache_dtype(
+    wanted: torch.dtype, capability: tuple[int, int] | None
+) -> tuple[torch.dtype, KernelChoice]:
+    """The latent-cache dtype that runs for `wanted` (resolved from --kv-cache-dtype and the
+    checkpoint, `moeserve.loader.safetensors.resolve_kv_cache_dtype`) on a GPU of
+    `capability` (None: the CPU, whose torch path handles FP8 rows)."""
+    name = str(wanted).replace("torch.", "")
+    if wanted != torch.float8_e4m3fn:
+        return wanted, KernelChoice("KV cache", name, "--kv-cache-dtype, or the model dtype")
+    if capability is not None and capability < FP8_CONVERSION_CAPABILITY:
+        return torch.bfloat16, KernelChoice(
+            "KV cache",
+            "bfloat16",
+            f"an FP8 latent cache needs e4m3 conversions, which Triton allows from "
+            f"{_sm(FP8_CONVERSION_CAPABILITY)}; this GPU is {_sm(capability)}",
+            fallback=True,
+        )
+    return wanted, KernelChoice(
+        "KV cache",
+        "fp8 e4m3",
+        "the checkpoint or --kv-cache-dtype asks for it; one scale per layer, half of bf16's bytes",
+    )
+
+
+def resolve_kernel_plan(
+    model_cfg: ModelConfig,
+    quant: QuantConfig | None,
+    hardware: Hardware,
+    settings: PlanSettings = PlanSettings(),
+) -> KernelPlan:
+    """The kernel plan of this model on `hardware` with `settings` (module docstring)."""
+    quant = quant or NoQuant()
+    if not hardware.gpu:
+        return _cpu_plan(model_cfg, quant, hardware, settings)
+    return _gpu_plan(model_cfg, quant, hardware, settings)
+
+
+def _cpu_plan(
+    model_cfg: ModelConfig, quant: QuantConfig, hw: Hardware, s: PlanSettings
+) -> KernelPlan:
+    native = s.cpu_kernels != "torch" and s.act_dtype == torch.bfloat16 and hw.native_cpu
+    kv, kv_choice = effective_kv_cache_dtype(s.kv_cache_dtype, None)
+    if not native and not model_cfg.is_mla and kv != torch.float32:
+        kv, kv_choice = (
+            torch.float32,
+            KernelChoice("KV cache", "float32", "torch's CPU attention is faster over fp32"),
+        )
+    out: list[KernelChoice] = []
+    if native:
+        why = (
+            "one arithmetic order per output element, whatever the rows in the step: every "
+            "logit independent of how its sequence is split into steps or batched"
+        )
+        out.append(KernelChoice("linears", f"native CPU GEMM ({hw.native_build})", why))
+        ok = kv == torch.bfloat16
+        out.append(
+            KernelChoice(
+                "attention",
+                "native CPU paged attention" if ok else "torch",
+                ("absorbed MLA for every row" if model_cfg.is_mla else "GQA over the paged cache")
+                if ok
+                else f"the native kernel reads a bf16 cache, not {str(kv)[6:]}",
+                fallback=not ok,
+            )
+        )
+        if model_cfg.n_routed_experts:
+            out.append(
+                KernelChoice(
+                    "routed experts", "per-expert loop, native GEMMs", "dequantized per call"
+                )
+            )
+    else:
+        if s.cpu_kernels == "torch":
+            why = "--cpu-kernels torch"
+        elif s.act_dtype != torch.bfloat16:
+            why = f"{str(s.act_dtype)[6:]} activations; the native kernels take bf16"
+        else:
+            why = "the native CPU kernels did not build here (no C compiler?)"
+        out.append(KernelChoice("linears", "torch", why, fallback=s.cpu_kernels != "torch"))
+        attn = "torch (gather + einsum)" if model_cfg.is_mla else "torch SDPA"
+        if s.deterministic:
+            attn += ", batch-invariant"
+        out.append(KernelChoice("attention", attn, "CPU path"))
+        if model_cfg.n_routed_experts:
+            out.append(KernelChoice("routed experts", "per-expert loop", "CPU path"))
+    out.append(kv_choice)
+    if s.tp_size > 1:
+        out.append(KernelChoice("all-reduce", "gloo", "CPU processes"))
+    return KernelPlan(
+        hardware=hw,
+        choices=tuple(out),
+        mla="native" if native and kv == torch.bfloat16 else "torch",
+        mla_decode="native" if native and kv == torch.bfloat16 else "torch",
+        cpu_native=native,
+        invariant=s.deterministic and not native,
+        kv_cache_dtype=kv,
+    )
+
+
+def _gpu_plan(
+    model_cfg: ModelConfig, quant: QuantConfig, hw: Hardware, s: PlanSettings
+) -> KernelPlan:
+    cap = hw.capability
+    where = hw.name
+    fmt, w4a4 = quant_formats(quant)
+    triton = cap >= TRITON_CAPABILITY
+    fp8_ok = cap >= FP8_CONVERSION_CAPABILITY
+    native_fp4 = cap >= BLACKWELL_CAPABILITY
+    out: list[KernelChoice] = []
+
+    out.append(
+        KernelChoice(
+            "BF16 linears",
+            "batch-invariant Triton GEMM" if s.deterministic and triton else "cuBLAS",
+            "the LM head and every linear the checkpoint keeps unquantized",
+        )
+    )
+    quantized_linears = any(
+        not isinstance(quant.linear_method(p), UnquantizedLinearMethod)
+        for p in _linear_prefixes(model_cfg)
+    )
+    linears = "torch"
+    if fmt == "nvfp4" and quantized_linears:
+        if not (triton and fp8_ok):
+            out.append(
+                KernelChoice(
+                    "NVFP4 linears",
+                    "torch (dequantize + cuBLAS)",
+                    f"the Triton NVFP4 kernels decode e4m3 scales, which Triton allows from "
+                    f"{_sm(FP8_CONVERSION_CAPABILITY)}; this GPU is {where}",
+                    fallback=True,
+                )
+            )
+        else:
+            linears = "triton"
+            schedule = (
+                "one tensor-core tile config, no split-K (--deterministic)"
+                if s.deterministic
+                else "packed codes decoded in registers (GEMV/GEMM)"
+            )
+            if native_fp4:
+                schedule = (
+                    f"native FP4 tensor cores ({where}) are not implemented yet; codes are "
+                    "decoded in registers and multiplied in bf16"
+                )
+            out.append(KernelChoice("NVFP4 linears", "Triton W4A16", schedule, fallback=native_fp4))
+    if fmt == "nvfp4" and w4a4:
+        out.append(
+            KernelChoice(
+                "NVFP4 activations",
+                "bf16 (weight-only)",
+                "the checkpoint is W4A4; its input scales are loaded but FP4 activation "
+                "math is not implemented",
+                fallback=True,
+            )
+        )
+    if fmt == "fp8-block" and quantized_linears:
+        from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK
+
+        block = getattr(getattr(quant, "scheme", None), "block", FP8_BLOCK)
+        if not (triton and fp8_ok):
+            out.append(
+                KernelChoice(
+                    "block-FP8 linears",
+                    "torch (dequantize + cuBLAS)",
+                    f"the Triton block-FP8 GEMM converts e4m3, which Triton allows from "
+                    f"{_sm(FP8_CONVERSION_CAPABILITY)}; this GPU is {where}",
+                    fallback=True,
+                )
+            )
+        elif block != FP8_BLOCK:
+            out.append(
+                KernelChoice(
+                    "block-FP8 linears",
+                    "torch (dequantize + cuBLAS)",
+                    f"the Triton kernel is written for {FP8_BLOCK}x{FP8_BLOCK} blocks, "
+                    f"not {block}x{block}",
+                    fallback=True,
+                )
+            )
+        else:
+            linears = "triton"
+            out.append(
+                KernelChoice(
+                    "block-FP8 linears",
+                    "Triton W8A16",
+                    "one tensor-core tile config, no split-K (--deterministic)"
+                    if s.deterministic
+                    else "128x128 block scales applied in-kernel",
+                )
+            )
+
+    graph_blockers: list[str] = []
+    moe = "loop"
+    router_fused = False
+    if model_cfg.n_routed_experts:
+        moe, choice = _moe_choice(model_cfg, quant, fmt, triton, fp8_ok, native_fp4, s)
+        out.append(choice)
+        if moe == "loop":
+            graph_blockers.append("routed experts")
+        router_fused = (
+            triton
+            and not s.deterministic
+            and s.act_dtype == torch.bfloat16
+            and _router_fused_ok(model_cfg, hw)
+        )
+        out.append(
+            KernelChoice(
+                "router",
+                ("gate GEMV + routing in one launch (one token), else " if router_fused else "")
+                + ("gate GEMM + Triton routing" if triton else "torch"),
+                "the batch-invariant gate GEMM (--deterministic)"
+                if s.deterministic and triton
+                else "fp32 logits, top-k per token",
+            )
+        )
+
+    mla = mla_decode = "torch"
+    kv, kv_choice = effective_kv_cache_dtype(s.kv_cache_dtype, cap)
+    if model_cfg.is_mla:
+        layout = (model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim)
+        if triton and layout == MLA_KERNEL_LAYOUT:
+            mla = "triton"
+            mla_decode, choice = _mla_decode_choice(model_cfg, hw, kv, s)
+            out.append(choice)
+            out.append(
+                KernelChoice(
+                    "MLA prefill",
+                    "Triton MLA prefill (absorbed, over the paged latent cache)",
+                    "every prefill chunk of a step in one launch"
+                    + ("" if s.deterministic else "; decode rows keep the decode kernel"),
+                )
+            )
+        else:
+            why = (
+                f"the Triton kernel is written for the {MLA_KERNEL_LAYOUT[0]}+"
+                f"{MLA_KERNEL_LAYOUT[1]} layout, not {layout[0]}+{layout[1]}"
+                if layout != MLA_KERNEL_LAYOUT
+                else f"no Triton kernels on {where}"
+            )
+            out.append(KernelChoice("MLA decode", "torch (gather + einsum)", why, fallback=True))
+            out.append(
+                KernelChoice(
+                    "MLA prefill",
+                    "torch SDPA, expanded form",
+                    "per sequence; the cached latent is expanded through kv_b_proj",
+                )
+            )
+            graph_blockers.append("MLA decode")
+    else:
+        out.append(KernelChoice("attention", "torch SDPA", "paged KV gathered per sequence"))
+        graph_blockers.append("attention")
+
+    out.append(kv_choice)
+    if s.enforce_eager:
+        out.append(KernelChoice("CUDA graphs", "off", "--enforce-eager"))
+    elif graph_blockers:
+        out.append(
+            KernelChoice(
+                "CUDA graphs",
+                "off (decode runs eagerly)",
+                f"{', '.join(graph_blockers)} cannot be captured",
+                fallback=True,
+            )
+        )
+    else:
+        out.append(KernelChoice("CUDA graphs", "decode replayed", "every part is capturable"))
+    if s.tp_size > 1 and s.interconnect is not None:  # the engine's banner states its own
+        out.append(_all_reduce_choice(s))
+    return KernelPlan(
+        hardware=hw,
+        choices=tuple(out),
+        triton=triton,
+        quantized_linears=linears,
+        moe=moe,
+        mla=mla,
+        mla_decode=mla_decode,
+        router_fused=router_fused,
+        invariant=s.deterministic and triton,
+        cuda_graphs=not s.enforce_eager and not graph_blockers,
+        kv_cache_dtype=kv,
+    )
+
+
+def _moe_choice(
+    cfg: ModelConfig,
+    quant: QuantConfig,
+    fmt: str,
+    triton: bool,
+    fp8_ok: bool,
+    native_fp4: bool,
+    s: PlanSettings,
+) -> tuple[str, KernelChoice]:
+    first_moe = f"model.layers.{cfg.first_k_dense_replace}.mlp.experts"
+    schedule = "; the tensor-core schedule at every token count (--deterministic)"
+    if triton and s.act_dtype != torch.bfloat16:
+        return "loop", KernelChoice(
+            "routed experts",
+            "per-expert loop (dequantize + cuBLAS)",
+            f"the fused MoE takes bf16 activations, not {str(s.act_dtype)[6:]}; the loop reads "
+            "expert ids on the host, so decode cannot be captured in a CUDA graph",
+            fallback=True,
+        )
+    if fmt == "nvfp4" and quant.moe_method(first_moe) is not None:
+        if triton and fp8_ok:
+            reason = "one launch for all experts; capturable in CUDA graphs"
+            if native_fp4:
+                reason += "; native FP4 tensor cores not implemented yet (W4A16)"
+            if s.deterministic:
+                reason += schedule
+            return "fused", KernelChoice(
+                "routed experts", "fused Triton NVFP4 MoE", reason, fallback=native_fp4
+            )
+        return "loop", KernelChoice(
+            "routed experts",
+            "per-expert loop (dequantize + cuBLAS)",
+            f"the fused NVFP4 MoE needs {_sm(FP8_CONVERSION_CAPABILITY)}+",
+            fallback=True,
+        )
+    fp8 = fmt == "fp8-block" and quant.moe_method(first_moe) is not None
+    stored = "block-FP8" if fp8 else "BF16"
+    block = getattr(getattr(quant, "scheme", None), "block", 128) if fp8 else 128
+    if triton and (fp8_ok or not fp8) and block == 128:
+        return "fused", KernelChoice(
+            "routed experts",
+            f"fused Triton {stored} MoE",
+            "one launch per projection for all experts"
+            + ("; 128x128 block scales applied in-kernel" if fp8 else "")
+            + "; capturable in CUDA graphs"
+            + (schedule if s.deterministic else ""),
+        )
+    why = (
+        f"the fused block-FP8 MoE needs {_sm(FP8_CONVERSION_CAPABILITY)}+ and 128x128 blocks"
+        if fp8
+        else "the fused MoE needs the Triton kernels"
+    )
+    return "loop", KernelChoice(
+        "routed experts",
+        "per-expert loop (dequantize + cuBLAS)",
+        f"{why}; the loop reads expert ids on the host, so decode cannot be captured in a "
+        "CUDA graph",
+        fallback=True,
+    )
+
+
+def _router_fused_ok(cfg: ModelConfig, hw: Hardware) -> bool:
+    """The one-launch router serves this gate: its shapes, and on a real GPU its start-up
+    probe (x @ W^T and the top experts against torch's, once per gate shape)."""
+    from moeserve.kernels.routing.router_fused import FUSED_MAX_EXPERTS, probe_route_fused
+
+    if cfg.n_routed_experts > FUSED_MAX_EXPERTS:
+        return False
+    if not hw.probe:
+        return True
+    return probe_route_fused(torch.device(hw.device), cfg.n_routed_experts, cfg.hidden_size)
+
+
+def _mla_decode_choice(
+    cfg: ModelConfig, hw: Hardware, kv: torch.dtype, s: PlanSettings
+) -> tuple[str, KernelChoice]:
+    """MLA decode with the Triton kernels: the prefill kernel for every row under
+    --deterministic; the Gluon kernel (Hopper) where the cache and --mla-decode-kernel allow
+    it and its start-up probe passes; else the Triton one."""
+    from moeserve.kernels.attention.mla_decode_gluon import (
+        GLUON_CAPABILITY,
+        GLUON_PAGE_MULTIPLE,
+        probe_gluon_mla,
+    )
+
+    if s.deterministic:
+        return "prefill", KernelChoice(
+            "MLA decode",
+            "Triton MLA prefill kernel",
+            "every row through one kernel, key tiles from position 0 (--deterministic)",
+        )
+    triton_choice = "Triton MLA decode (absorbed, split-KV)"
+    blockers = []
+    if s.mla_decode_kernel == "triton":
+        blockers.append("--mla-decode-kernel triton")
+    if hw.capability != GLUON_CAPABILITY:
+        blockers.append(f"the Gluon kernel is written for {_sm(GLUON_CAPABILITY)}")
+    if kv != torch.bfloat16:
+        blockers.append("the Gluon kernel reads a BF16 cache")
+    if s.page_size % GLUON_PAGE_MULTIPLE:
+        blockers.append(
+            f"page size {s.page_size}: the Gluon kernel needs a multiple of "
+            f"{GLUON_PAGE_MULTIPLE} (--page-size {GLUON_PAGE_MULTIPLE})"
+        )
+    if s.enforce_eager:
+        blockers.append("--enforce-eager (the Gluon kernel serves CUDA-graph decode)")
+    if blockers:
+        if s.mla_decode_kernel == "gluon":
+            log.warning("--mla-decode-kernel gluon: %s; the Triton kernel serves", blockers[-1])
+        return "triton", KernelChoice("MLA decode", triton_choice, "; ".join(blockers))
+    heads = max(1, cfg.num_attention_heads // s.tp_size)
+    if hw.probe and not probe_gluon_mla(torch.device(hw.device), heads):
+        return "triton", KernelChoice(
+            "MLA decode", triton_choice, "the Gluon kernel's start-up probe failed", fallback=True
+        )
+    if s.mla_decode_kernel == "gluon":
+        return "gluon", KernelChoice(
+            "MLA decode", "Gluon MLA decode (TMA + wgmma)", "--mla-decode-kernel gluon"
+        )
+    return "gluon-prefer", KernelChoice(
+        "MLA decode",
+        "Gluon MLA decode (TMA + wgmma) / Triton",
+        "Gluon where it measured faster (cache capacity >= 4096 tokens, or > 16 heads per "
+        "GPU at batch >= 8), Triton elsewhere",
+    )
+
+
+def _all_reduce_choice(s: PlanSettings) -> KernelChoice:
+    if s.hosts > 1:
+        return KernelChoice("all-reduce", "NCCL", f"the ranks span {s.hosts} hosts")
+    if s.all_reduce == "nccl":
+        return KernelChoice("all-reduce", "NCCL", "--all-reduce nccl")
+    if s.interconnect in ("nvlink", "pcie-p2p"):
+        return KernelChoice(
+            "all-reduce",
+            "one-shot over peer memory, NCCL above the size threshold",
+            f"the GPUs read each other's memory ({s.interconnect})",
+        )
+    return KernelChoice(
+        "all-reduce",
+        "NCCL",
+        "the GPUs cannot read each other's memory (PCIe without peer access), so no "
+        "one-shot all-reduce",
+        fallback=True,
+    )
