@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `moeserve bench` against moeserve's own CPU server on the default model (issue 5 c/d):
+# `moeserve bench` against moeserve's own CPU server on the default model:
 # a concurrency sweep (JSON, table, PNG), the count-to-50 scenario and ShareGPT prompts.
 # Usage: benchmarks/cpu_serving.sh [OUT_DIR] [extra `moeserve serve` flags...]
 set -euo pipefail

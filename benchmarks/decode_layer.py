@@ -47,7 +47,7 @@ WARMUP_STEPS = 8
 TIMED_STEPS = 48
 HBM_BYTES_PER_S = 4.3e12
 # batch-1 ms per MoE layer on one H200 before the fused decode step (commit 45ee28c,
-# shared/PERF.md) and, for DeepSeek FP8, before the fused block-FP8 MoE (eager, issue 11)
+# shared/PERF.md) and, for DeepSeek FP8, before the fused block-FP8 MoE (the eager per-expert loop)
 BEFORE_MS_PER_LAYER = {"kimi-k2.5-nvfp4": 0.345, "deepseek-v3-fp8": 6.0}
 TARGET_MS = 0.20
 

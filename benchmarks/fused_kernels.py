@@ -1,6 +1,6 @@
 # ruff: noqa: B023 -- the closures below are called within their loop iteration
-"""Microbenchmarks of the fused attention-side kernels (issue 10) at Kimi-K2.5 / DeepSeek-V3
-shapes, each next to the torch ops it replaces, all timed inside CUDA graphs.
+"""Microbenchmarks of the fused attention-side kernels at Kimi-K2.5 / DeepSeek-V3 shapes, each
+next to the torch ops it replaces, all timed inside CUDA graphs.
 
 Run on the GPU machine from the repository root:
 
@@ -362,7 +362,7 @@ def _bench_attention_layer(dev: str, dims: dict, records: list, context: int) ->
 # ---- output ------------------------------------------------------------------------------------
 def write_markdown(path: Path, meta: dict, records: list) -> None:
     lines = [
-        "# Fused attention-side kernels (issue 10) vs the torch ops they replace",
+        "# Fused attention-side kernels vs the torch ops they replace",
         "",
         f"GPU {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, commit "
         f"{meta['commit']}, {meta['date']}. Each time is the median per call of 7 replays of a "

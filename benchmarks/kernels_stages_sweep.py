@@ -311,7 +311,7 @@ def fp8_dense(ms: tuple[int, ...] = (1, 2, 4)) -> None:
 
 
 def fp8_small() -> None:
-    """Round 2 for the block-FP8 shapes under 16 MB, where ramp and tail dominate (M=1)."""
+    """A second pass over the block-FP8 shapes under 16 MB, where ramp and tail dominate (M=1)."""
     small = {
         k: FP8_SHAPES[k] for k in ("shared_gate_up", "shared_down", "q_a_kv_a_proj", "kv_b_proj")
     }
@@ -511,7 +511,7 @@ def _ds_moe9():
 
 
 def ds_one_token() -> None:
-    """DeepSeek-V3's batch-1 decode products as served (session 20): the fused block-FP8 MoE
+    """DeepSeek-V3's batch-1 decode products as served (since 52d2447): the fused block-FP8 MoE
     with the shared expert as a ninth slot (9 distinct of 257 experts, one token, direct
     blocks, combine in the down launch), its gate_up and down tiles varied separately
     (DOWN_* keys), products summed per tile or once per program (LATE_SUM); and the dense
@@ -577,8 +577,8 @@ def ds_one_token() -> None:
 
 
 def ds_moe_down() -> None:
-    """Round 2 of ds_one_token's MoE part: the shipped one-token config (32-row gate_up tiles,
-    LATE_SUM) against down-launch variants and wider gate_up tiles."""
+    """A second pass over ds_one_token's MoE part: the shipped one-token config (32-row gate_up
+    tiles, LATE_SUM) against down-launch variants and wider gate_up tiles."""
     run, routes, tws, nbytes = _ds_moe9()
     cands = [None] + [
         dict(c)

@@ -2,7 +2,7 @@
 tokens a split streams (`MLADecodeConfig.min_split_tokens`) against the capacity-sized static
 split count, at the batch / context / capacity points of batch-1 and small-batch decode.
 
-One tile (64 tokens) is the rule before session 20 plus its one change at one tile: a
+One tile (64 tokens) is the rule before d773e06 plus its one change at one tile: a
 sequence in one split writes `out` itself and the merge returns. Graph-timed like
 kernels_mla_heads.py (caches cycled past L2), 16-token pages (the engine's default), the
 engine's launch config (`default_config`, `default_num_splits`); every output is checked

@@ -13,7 +13,7 @@ helper into its callers once):
 
 Outputs of the ablated variants are meaningless; only the times matter. The stand-ins follow
 `nvfp4_gemv._tile_dot_f16`'s signature, so this script tracks that helper (results/
-moe_nvfp4_ablation.json was measured at 9db3324, before session 21's loop changes).
+moe_nvfp4_ablation.json was measured at 9db3324, before the loop changes of 12693f4).
 
   PYTHONPATH=$PWD python benchmarks/moe_nvfp4_ablation.py --out-dir DIR
 """

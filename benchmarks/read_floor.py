@@ -1,5 +1,6 @@
 # ruff: noqa: B023 -- the lambdas below are called within the loop iteration
-"""How fast can a kernel that only READS the weights go? The floor under issue 11's targets.
+"""How fast can a kernel that only READS the weights go? The floor under the GEMV targets
+of results/kernels.md.
 
 A GEMV at one token reads every weight byte once and does little else, so no GEMV can beat a
 kernel that reads the same bytes in the same pattern and throws them away (xor-sums them, so

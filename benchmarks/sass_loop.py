@@ -4,7 +4,7 @@ No GPU needed: Triton compiles `_moe_gate_up_gemv_kernel` (the F16 CUDA-core pat
 Kimi-K2.5 shapes) for compute capability 9.0 on the CPU, its bundled nvdisasm gives the SASS,
 and this script counts the instructions between the K loop's label and its backward branch,
 per opcode, per weight element (words per thread per tile x 8), with ptxas's register count.
-That is how session 21 chose what to cut from the loop (results/nvfp4_moe_session21.md).
+Its counts chose what was cut from the loop (results/nvfp4_gemv_loop.md).
 
   python benchmarks/sass_loop.py [BLOCK_N,BLOCK_K,WARPS,STAGES ...] [--dump FILE]
 """

@@ -1,5 +1,5 @@
-"""Issue 4c: a tiny Kimi-K2.5 NVFP4 checkpoint through the GPU kernels (NVFP4 GEMM, fused
-MoE, MLA cache write and decode) against the CPU reference path. Runs where a GPU is."""
+"""A tiny Kimi-K2.5 NVFP4 checkpoint through the GPU kernels (NVFP4 GEMM, fused MoE, MLA cache
+write and decode) against the CPU reference path. Runs where a GPU is."""
 
 import pytest
 import torch
