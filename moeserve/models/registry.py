@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import importlib
-
 from torch import nn
 
 from moeserve.config import ConfigError
 
-_MODELS = {
-    "llama": ("moeserve.models.llama", "LlamaForCausalLM"),
-    "deepseek_v3": ("moeserve.models.deepseek_v3", "DeepseekV3ForCausalLM"),
-}
-
 
 def model_class(architecture: str) -> type[nn.Module]:
-    try:
-        module, name = _MODELS[architecture]
-    except KeyError:
-        raise ConfigError(f"no model implementation for architecture {architecture!r}") from None
-    return getattr(importlib.import_module(module), name)
+    if architecture == "llama":
+        from moeserve.models.llama import LlamaForCausalLM
+
+        return LlamaForCausalLM
+    if architecture == "deepseek_v3":
+        from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+        return DeepseekV3ForCausalLM
+    raise ConfigError(f"no model implementation for architecture {architecture!r}")
