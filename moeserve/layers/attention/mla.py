@@ -554,12 +554,24 @@ class MLAAttention(nn.Module):
         k_pe: torch.Tensor,
         md: AttentionMetadata,
     ) -> torch.Tensor:
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe.unsqueeze(1))
-        self._write(c, k_pe.squeeze(1), md.slot_mapping)
+        q_nope, q_pe = self._rope_and_write(positions, q, c, k_pe, md)
         if md.is_decode_only:
             return self._absorbed(q_nope, q_pe, md)
         return self._expanded(q_nope, q_pe, md)
+
+    def _rope_and_write(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        c: torch.Tensor,
+        k_pe: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch and native paths: (q_nope, roped q_pe), the step's cache rows written."""
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe.unsqueeze(1))
+        self._write(c, k_pe.squeeze(1), md.slot_mapping)
+        return q_nope, q_pe
 
     def _forward_native(
         self,
@@ -572,9 +584,7 @@ class MLAAttention(nn.Module):
         """Every row in the absorbed form through the native CPU kernels."""
         from moeserve.kernels import cpu as cpu_kernels
 
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe.unsqueeze(1))
-        self._write(c, k_pe.squeeze(1), md.slot_mapping)
+        q_nope, q_pe = self._rope_and_write(positions, q, c, k_pe, md)
         tokens, heads, lat = q.shape[0], self.num_heads, self.kv_lora
         uk, uv = self._native_absorb
         q_abs = q.new_empty(tokens, heads, self.latent_dim)
