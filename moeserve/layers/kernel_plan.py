@@ -278,99 +278,23 @@ def _gpu_plan(
     model_cfg: ModelConfig, quant: QuantConfig, hw: Hardware, s: PlanSettings
 ) -> KernelPlan:
     cap = hw.capability
-    where = hw.name
-    fmt, w4a4 = quant_formats(quant)
     triton = cap >= TRITON_CAPABILITY
     fp8_ok = cap >= FP8_CONVERSION_CAPABILITY
-    native_fp4 = cap >= BLACKWELL_CAPABILITY
-    out: list[KernelChoice] = []
-
-    out.append(
+    out = [
         KernelChoice(
             "BF16 linears",
             "batch-invariant Triton GEMM" if s.deterministic and triton else "cuBLAS",
             "the LM head and every linear the checkpoint keeps unquantized",
         )
-    )
-    quantized_linears = any(
-        not isinstance(quant.linear_method(p), UnquantizedLinearMethod)
-        for p in _linear_prefixes(model_cfg)
-    )
-    linears = "torch"
-    if fmt == "nvfp4" and quantized_linears:
-        if not (triton and fp8_ok):
-            out.append(
-                KernelChoice(
-                    "NVFP4 linears",
-                    "torch (dequantize + cuBLAS)",
-                    f"the Triton NVFP4 kernels decode e4m3 scales, which Triton allows from "
-                    f"{_sm(FP8_CONVERSION_CAPABILITY)}; this GPU is {where}",
-                    fallback=True,
-                )
-            )
-        else:
-            linears = "triton"
-            schedule = (
-                "one tensor-core tile config, no split-K (--deterministic)"
-                if s.deterministic
-                else "packed codes decoded in registers (GEMV/GEMM)"
-            )
-            if native_fp4:
-                schedule = (
-                    f"native FP4 tensor cores ({where}) are not implemented yet; codes are "
-                    "decoded in registers and multiplied in bf16"
-                )
-            out.append(KernelChoice("NVFP4 linears", "Triton W4A16", schedule, fallback=native_fp4))
-    if fmt == "nvfp4" and w4a4:
-        out.append(
-            KernelChoice(
-                "NVFP4 activations",
-                "bf16 (weight-only)",
-                "the checkpoint is W4A4; its input scales are loaded but FP4 activation "
-                "math is not implemented",
-                fallback=True,
-            )
-        )
-    if fmt == "fp8-block" and quantized_linears:
-        from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK
-
-        block = getattr(getattr(quant, "scheme", None), "block", FP8_BLOCK)
-        if not (triton and fp8_ok):
-            out.append(
-                KernelChoice(
-                    "block-FP8 linears",
-                    "torch (dequantize + cuBLAS)",
-                    f"the Triton block-FP8 GEMM converts e4m3, which Triton allows from "
-                    f"{_sm(FP8_CONVERSION_CAPABILITY)}; this GPU is {where}",
-                    fallback=True,
-                )
-            )
-        elif block != FP8_BLOCK:
-            out.append(
-                KernelChoice(
-                    "block-FP8 linears",
-                    "torch (dequantize + cuBLAS)",
-                    f"the Triton kernel is written for {FP8_BLOCK}x{FP8_BLOCK} blocks, "
-                    f"not {block}x{block}",
-                    fallback=True,
-                )
-            )
-        else:
-            linears = "triton"
-            out.append(
-                KernelChoice(
-                    "block-FP8 linears",
-                    "Triton W8A16",
-                    "one tensor-core tile config, no split-K (--deterministic)"
-                    if s.deterministic
-                    else "128x128 block scales applied in-kernel",
-                )
-            )
-
+    ]
+    linears, choices = _linear_choices(model_cfg, quant, hw, s)
+    out += choices
     graph_blockers: list[str] = []
     moe = "loop"
     router_fused = False
     if model_cfg.n_routed_experts:
+        fmt = quant_formats(quant)[0]
+        native_fp4 = cap >= BLACKWELL_CAPABILITY
         moe, choice = _moe_choice(model_cfg, quant, fmt, triton, fp8_ok, native_fp4, s)
         out.append(choice)
         if moe == "loop":
@@ -391,43 +315,11 @@ def _gpu_plan(
                 else "fp32 logits, top-k per token",
             )
         )
-
-    mla = mla_decode = "torch"
     kv, kv_choice = effective_kv_cache_dtype(s.kv_cache_dtype, cap)
-    if model_cfg.is_mla:
-        layout = (model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim)
-        if triton and layout == MLA_KERNEL_LAYOUT:
-            mla = "triton"
-            mla_decode, choice = _mla_decode_choice(model_cfg, hw, kv, s)
-            out.append(choice)
-            out.append(
-                KernelChoice(
-                    "MLA prefill",
-                    "Triton MLA prefill (absorbed, over the paged latent cache)",
-                    "every prefill chunk of a step in one launch"
-                    + ("" if s.deterministic else "; decode rows keep the decode kernel"),
-                )
-            )
-        else:
-            why = (
-                f"the Triton kernel is written for the {MLA_KERNEL_LAYOUT[0]}+"
-                f"{MLA_KERNEL_LAYOUT[1]} layout, not {layout[0]}+{layout[1]}"
-                if layout != MLA_KERNEL_LAYOUT
-                else f"no Triton kernels on {where}"
-            )
-            out.append(KernelChoice("MLA decode", "torch (gather + einsum)", why, fallback=True))
-            out.append(
-                KernelChoice(
-                    "MLA prefill",
-                    "torch SDPA, expanded form",
-                    "per sequence; the cached latent is expanded through kv_b_proj",
-                )
-            )
-            graph_blockers.append("MLA decode")
-    else:
-        out.append(KernelChoice("attention", "torch SDPA", "paged KV gathered per sequence"))
-        graph_blockers.append("attention")
-
+    mla, mla_decode, choices = _attention_choices(model_cfg, hw, kv, s)
+    out += choices
+    if mla != "triton":
+        graph_blockers.append("MLA decode" if model_cfg.is_mla else "attention")
     out.append(kv_choice)
     if s.enforce_eager:
         out.append(KernelChoice("CUDA graphs", "off", "--enforce-eager"))
@@ -456,6 +348,106 @@ def _gpu_plan(
         invariant=s.deterministic and triton,
         cuda_graphs=not s.enforce_eager and not graph_blockers,
         kv_cache_dtype=kv,
+    )
+
+
+def _linear_choices(
+    cfg: ModelConfig, quant: QuantConfig, hw: Hardware, s: PlanSettings
+) -> tuple[str, list[KernelChoice]]:
+    """("triton" or "torch" for the quantized linears, their lines)."""
+    from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK
+
+    fmt, w4a4 = quant_formats(quant)
+    quantized = any(
+        not isinstance(quant.linear_method(p), UnquantizedLinearMethod)
+        for p in _linear_prefixes(cfg)
+    )
+    out: list[KernelChoice] = []
+    if fmt == "nvfp4" and w4a4:
+        out.append(
+            KernelChoice(
+                "NVFP4 activations",
+                "bf16 (weight-only)",
+                "the checkpoint is W4A4; its input scales are loaded but FP4 activation "
+                "math is not implemented",
+                fallback=True,
+            )
+        )
+    if fmt == "none" or not quantized:
+        return "torch", out
+    what = "NVFP4 linears" if fmt == "nvfp4" else "block-FP8 linears"
+    kernel = "Triton W4A16" if fmt == "nvfp4" else "Triton W8A16"
+    need = (
+        "the Triton NVFP4 kernels decode e4m3 scales"
+        if fmt == "nvfp4"
+        else "the Triton block-FP8 GEMM converts e4m3"
+    )
+    block = getattr(getattr(quant, "scheme", None), "block", FP8_BLOCK)
+    if not (hw.capability >= TRITON_CAPABILITY and hw.capability >= FP8_CONVERSION_CAPABILITY):
+        why = (
+            f"{need}, which Triton allows from {_sm(FP8_CONVERSION_CAPABILITY)}; "
+            f"this GPU is {hw.name}"
+        )
+    elif fmt == "fp8-block" and block != FP8_BLOCK:
+        why = (
+            f"the Triton kernel is written for {FP8_BLOCK}x{FP8_BLOCK} blocks, not {block}x{block}"
+        )
+    else:
+        native_fp4 = fmt == "nvfp4" and hw.capability >= BLACKWELL_CAPABILITY
+        if native_fp4:
+            reason = (
+                f"native FP4 tensor cores ({hw.name}) are not implemented yet; codes are "
+                "decoded in registers and multiplied in bf16"
+            )
+        elif s.deterministic:
+            reason = "one tensor-core tile config, no split-K (--deterministic)"
+        elif fmt == "nvfp4":
+            reason = "packed codes decoded in registers (GEMV/GEMM)"
+        else:
+            reason = "128x128 block scales applied in-kernel"
+        out.insert(0, KernelChoice(what, kernel, reason, fallback=native_fp4))
+        return "triton", out
+    out.insert(0, KernelChoice(what, "torch (dequantize + cuBLAS)", why, fallback=True))
+    return "torch", out
+
+
+def _attention_choices(
+    cfg: ModelConfig, hw: Hardware, kv: torch.dtype, s: PlanSettings
+) -> tuple[str, str, list[KernelChoice]]:
+    """(MLA path, MLA decode kernel, their lines); Llama-style attention: torch SDPA."""
+    if not cfg.is_mla:
+        return (
+            "torch",
+            "torch",
+            [KernelChoice("attention", "torch SDPA", "paged KV gathered per sequence")],
+        )
+    layout = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    if hw.capability >= TRITON_CAPABILITY and layout == MLA_KERNEL_LAYOUT:
+        mla_decode, choice = _mla_decode_choice(cfg, hw, kv, s)
+        prefill = KernelChoice(
+            "MLA prefill",
+            "Triton MLA prefill (absorbed, over the paged latent cache)",
+            "every prefill chunk of a step in one launch"
+            + ("" if s.deterministic else "; decode rows keep the decode kernel"),
+        )
+        return "triton", mla_decode, [choice, prefill]
+    why = (
+        f"the Triton kernel is written for the {MLA_KERNEL_LAYOUT[0]}+{MLA_KERNEL_LAYOUT[1]} "
+        f"layout, not {layout[0]}+{layout[1]}"
+        if layout != MLA_KERNEL_LAYOUT
+        else f"no Triton kernels on {hw.name}"
+    )
+    return (
+        "torch",
+        "torch",
+        [
+            KernelChoice("MLA decode", "torch (gather + einsum)", why, fallback=True),
+            KernelChoice(
+                "MLA prefill",
+                "torch SDPA, expanded form",
+                "per sequence; the cached latent is expanded through kv_b_proj",
+            ),
+        ],
     )
 
 
