@@ -442,13 +442,12 @@ class _LoadSimulation:
 
 def check_folder(folder: str) -> CheckReport:
     from moeserve.layers.quant.parse import read_checkpoint_quant
-    from moeserve.plan import load_model_description, meta_model
+    from moeserve.loader.source import describe_source
+    from moeserve.plan import meta_model
 
     report = CheckReport()
-    raw = _read_json(os.path.join(folder, "config.json"))
-    if not isinstance(raw, dict):
-        raise LoadError(f"{folder}/config.json does not hold a JSON object")
-    cfg, quant, _source, kv_algo = load_model_description(folder)
+    src = describe_source(folder)
+    raw, cfg, quant, kv_algo = src.raw, src.config, src.quant, src.kv_cache_quant_algo
     tensors, files, weight_map = read_headers(folder)
     ckq = read_checkpoint_quant(folder, raw)
 

@@ -44,6 +44,7 @@ from moeserve.engine.memory import GIB, MemoryPlan, format_memory_table, plan_kv
 from moeserve.hardware import GPUS, GPUS_PER_HOST, MIB, GpuSpec, gpu_spec
 from moeserve.layers.kernel_plan import Hardware, KernelPlan, PlanSettings, resolve_kernel_plan
 from moeserve.layers.quant.base import QuantConfig, UnquantizedLinearMethod
+from moeserve.loader.source import ModelSource, describe_source
 
 FP32_BYTES = 4
 # estimates of memory outside the model (the engine measures it as "other" at start-up):
@@ -261,24 +262,6 @@ class Plan:
         return self.memory.budget_bytes >= self.kv_need_tokens * self.memory.kv_bytes_per_token
 
 
-def _read_config(path: str) -> dict[str, Any]:
-    from moeserve.errors import LoadError
-
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        if os.path.isfile(path) and path.endswith(".gguf"):
-            raise LoadError("moeserve plan reads an HF checkpoint folder; GGUF is not planned")
-        raise LoadError(f"{path} has no config.json")
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoadError(f"{cfg_path} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise LoadError(f"{cfg_path} does not hold a JSON object")
-    return raw
-
-
 def _index_total(path: str) -> int | None:
     from moeserve.loader.safetensors import INDEX_FILE
 
@@ -290,31 +273,13 @@ def _index_total(path: str) -> int | None:
     return int(total) if isinstance(total, int | float) else None
 
 
-def load_model_description(path: str) -> tuple[ModelConfig, QuantConfig, str, str | None]:
-    """(model config, quant config, where the quant config came from, KV algo) of a folder."""
-    from moeserve.layers.quant.parse import (
-        MODELOPT_FILE,
-        QuantConfigError,
-        quant_config_from_checkpoint,
-        read_checkpoint_quant,
-    )
+def describe_checkpoint(path: str) -> ModelSource:
+    """The checkpoint folder's description (`moeserve plan` plans HF checkpoints)."""
+    from moeserve.errors import LoadError
 
-    raw = _read_config(path)
-    try:
-        cfg = ModelConfig.from_hf(raw)
-        quant = quant_config_from_checkpoint(path, raw)
-        ckq = read_checkpoint_quant(path, raw)
-    except QuantConfigError as e:
-        raise ConfigError(str(e)) from None
-    except (KeyError, TypeError) as e:
-        raise ConfigError(f"config.json lacks or mistypes a field the model needs: {e}") from None
-    if ckq.method == "none":
-        source = "none (unquantized)"
-    elif os.path.exists(os.path.join(path, MODELOPT_FILE)):
-        source = MODELOPT_FILE
-    else:
-        source = "config.json quantization_config"
-    return cfg, quant, source, ckq.kv_cache_quant_algo
+    if path.endswith(".gguf"):
+        raise LoadError("moeserve plan reads an HF checkpoint folder; GGUF is not planned")
+    return describe_source(path)
 
 
 def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig) -> Plan:
@@ -322,7 +287,8 @@ def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig
     GPUs of kind `gpu` (tensor parallel size: engine.parallel.tensor_parallel_size)."""
     from moeserve.loader.safetensors import resolve_kv_cache_dtype
 
-    cfg, quant, source, kv_algo = load_model_description(path)
+    src = describe_checkpoint(path)
+    cfg, quant, source, kv_algo = src.config, src.quant, src.quant_source, src.kv_cache_quant_algo
     if engine.load.num_layers is not None:
         cfg = cfg.with_layers(engine.load.num_layers)
     tp = engine.parallel.tensor_parallel_size
@@ -411,7 +377,7 @@ def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig
 def smallest_fitting_tp(path: str, gpu: GpuSpec, engine: EngineConfig) -> int | None:
     """The smallest tensor-parallel size above the engine's that fits (None: none up to
     MAX_SUGGESTED_TP). Sizes that do not split the model evenly are skipped."""
-    heads = load_model_description(path)[0].num_attention_heads
+    heads = describe_checkpoint(path).config.num_attention_heads
     start = engine.parallel.tensor_parallel_size + 1
     for tp in range(start, MAX_SUGGESTED_TP + 1):
         if heads % tp:

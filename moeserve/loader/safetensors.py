@@ -23,12 +23,8 @@ from tqdm import tqdm
 from moeserve.config import ConfigError, ModelConfig
 from moeserve.errors import LoadError
 from moeserve.layers.quant.base import QuantConfig
-from moeserve.layers.quant.parse import (
-    QuantConfigError,
-    quant_config_from_checkpoint,
-    read_checkpoint_quant,
-)
 from moeserve.loader.base import DEFAULT_PLANNING, LoadedModel, Planning, build_model
+from moeserve.loader.source import describe_source
 from moeserve.models.registry import model_class
 from moeserve.models.weights import finish_loading
 from moeserve.parallel.groups import SINGLE, TPGroup
@@ -217,14 +213,6 @@ def _row_chunks(p: torch.Tensor, elements: int = 1 << 26) -> Iterator[torch.Tens
         yield flat[start : start + step]
 
 
-def _read_config(path: str) -> dict:
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise LoadError(f"{path} has no config.json")
-    with open(cfg_path) as f:
-        return json.load(f)
-
-
 def _describe(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, kv: torch.dtype) -> str:
     kind = "MoE" if cfg.n_routed_experts else "dense"
     return (
@@ -250,17 +238,14 @@ def load_safetensors_model(
     `stats` counts the bytes read)."""
     from moeserve.tokenizer.hf import load_hf_tokenizer
 
-    raw = _read_config(path)
     try:
-        cfg = ModelConfig.from_hf(raw)
-        quant = quant_config_from_checkpoint(path, raw)
-    except (ConfigError, QuantConfigError) as e:
+        src = describe_source(path)
+    except ConfigError as e:
         raise LoadError(str(e)) from None
+    cfg, quant = src.config, src.quant
     if num_layers is not None:
         cfg = cfg.with_layers(num_layers)
-    kv_dtype = resolve_kv_cache_dtype(
-        kv_cache_dtype, read_checkpoint_quant(path, raw).kv_cache_quant_algo, dtype
-    )
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, src.kv_cache_quant_algo, dtype)
     model, plan = build_model(
         model_class(cfg.architecture), cfg, quant, dtype, device, kv_dtype, planning, tp
     )

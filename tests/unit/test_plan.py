@@ -24,6 +24,7 @@ from moeserve.layers.kernel_plan import (
     resolve_kernel_plan,
 )
 from moeserve.layers.quant.base import NoQuant
+from moeserve.loader.source import describe_source
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = str(ROOT / "benchmarks/configs/kimi-k2.5-nvfp4")
@@ -219,7 +220,8 @@ def test_deepseek_fp8_shared_expert_slot_counted_as_shared_expert():
     assert p.weights.experts_per_rank == 256
     assert p.weights.by_part["shared experts"] == moe_layers * (e4m3 + scales)
     assert p.weights.by_part["routed experts"] == moe_layers * 256 * (e4m3 + scales)
-    cfg, quant, _, _ = plan.load_model_description(DSV3)
+    src = describe_source(DSV3)
+    cfg, quant = src.config, src.quant
     slots = plan.meta_model(cfg, quant, torch.bfloat16, 0, TP)
     assert slots.model.layers[3].mlp.shared_slots == 1
     separate = plan.meta_model(
@@ -249,7 +251,8 @@ def test_index_total_is_shown(tmp_path, capsys):
 
 # ---- kernel choices -------------------------------------------------------------------------
 def _kimi() -> tuple[ModelConfig, object]:
-    cfg, quant, _, _ = plan.load_model_description(KIMI)
+    src = describe_source(KIMI)
+    cfg, quant = src.config, src.quant
     return cfg, quant
 
 
@@ -339,7 +342,8 @@ def test_choices_follow_what_the_checkpoint_quantizes(tmp_path):
 
     # the writer's Kimi NVFP4 layout quantizes the routed experts only: no NVFP4 linears
     write_checkpoint(str(tmp_path / "k"), "kimi-k2.5", "nvfp4-modelopt")
-    cfg, quant, _, _ = plan.load_model_description(str(tmp_path / "k"))
+    src = describe_source(str(tmp_path / "k"))
+    cfg, quant = src.config, src.quant
     c = _by_what(_choices(cfg, quant, (9, 0), torch.bfloat16, "nvlink"))
     assert "NVFP4 linears" not in c
     assert c["routed experts"].choice == "fused Triton NVFP4 MoE"
@@ -361,7 +365,8 @@ def test_plan_says_where_the_shared_experts_run(capsys):
 def test_mla_decode_kernel_choice_follows_cache_page_size_and_setting():
     # Gluon (Hopper, BF16 cache, pages of a multiple of 64) where it measured faster;
     # otherwise the Triton kernel, with the reason
-    cfg, quant, _, _ = plan.load_model_description(DSV3)
+    src = describe_source(DSV3)
+    cfg, quant = src.config, src.quant
 
     def mla(cap, kv, **kw):
         return _by_what(_choices(cfg, quant, cap, kv, "nvlink", **kw))["MLA decode"]

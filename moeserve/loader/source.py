@@ -1,0 +1,99 @@
+"""What a model path holds, read once from its description files, no weights: an HF folder's
+config.json with its quantization description, or a GGUF file's metadata. The engine (the
+hidden size and context it needs before any rank loads), `moeserve plan`, `moeserve check`
+and the loaders all start from `describe_source`."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from moeserve.config import DEFAULT_MAX_POSITIONS, ConfigError, ModelConfig
+from moeserve.errors import LoadError
+from moeserve.layers.quant.base import QuantConfig
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: str
+    kind: str  # "hf" (a checkpoint folder) or "gguf"
+    raw: dict[str, Any]  # config.json, or the GGUF file's metadata (key -> value)
+    config: ModelConfig | None = None  # HF: parsed; GGUF: built by its loader (needs the vocab)
+    quant: QuantConfig | None = None  # HF: the checkpoint's; GGUF: chosen at load
+    quant_source: str = ""  # where the quantization description came from
+    kv_cache_quant_algo: str | None = None  # what the checkpoint asks of the KV cache
+
+    @property
+    def hidden_size(self) -> int:
+        if self.config is not None:
+            return self.config.hidden_size
+        return int(self.raw[f"{self.gguf_arch}.embedding_length"])
+
+    @property
+    def max_positions(self) -> int:
+        if self.config is not None:
+            return self.config.max_position_embeddings
+        ctx = self.raw.get(f"{self.gguf_arch}.context_length")
+        return int(ctx) if ctx is not None else DEFAULT_MAX_POSITIONS
+
+    @property
+    def gguf_arch(self) -> str:
+        return str(self.raw.get("general.architecture"))
+
+
+def read_config_json(path: str) -> dict[str, Any]:
+    """A checkpoint folder's config.json as a dict (one sentence on any problem)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise LoadError(f"{path} has no config.json")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(f"{cfg_path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise LoadError(f"{cfg_path} does not hold a JSON object")
+    return raw
+
+
+def describe_source(path: str) -> ModelSource:
+    """The description of a resolved model path (a .gguf file or a checkpoint folder)."""
+    if path.endswith(".gguf"):
+        return _describe_gguf(path)
+    from moeserve.layers.quant.parse import (
+        MODELOPT_FILE,
+        QuantConfigError,
+        quant_config_from_checkpoint,
+        read_checkpoint_quant,
+    )
+
+    raw = read_config_json(path)
+    try:
+        cfg = ModelConfig.from_hf(raw)
+        quant = quant_config_from_checkpoint(path, raw)
+        ckq = read_checkpoint_quant(path, raw)
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"config.json lacks or mistypes a field the model needs: {e}") from None
+    if ckq.method == "none":
+        source = "none (unquantized)"
+    elif os.path.exists(os.path.join(path, MODELOPT_FILE)):
+        source = MODELOPT_FILE
+    else:
+        source = "config.json quantization_config"
+    return ModelSource(path, "hf", raw, cfg, quant, source, ckq.kv_cache_quant_algo)
+
+
+def _describe_gguf(path: str) -> ModelSource:
+    from gguf import GGUFReader
+
+    from moeserve.loader.gguf import read_metadata
+
+    try:
+        meta = read_metadata(GGUFReader(path))
+    except (OSError, ValueError) as e:
+        raise LoadError(f"cannot read GGUF file {path}: {e}") from None
+    return ModelSource(path, "gguf", meta, quant_source="GGUF tensor types")
