@@ -8,11 +8,12 @@ each [E_local + S, out, in] in whatever format the checkpoint uses (a `WeightSch
 first, and `experts.down_proj` [E, H, I]) load with expert None.
 
 Shared experts as slots (`shared_expert_slots`): where the S = n_shared_experts shared
-experts have a routed expert's shape and stored format (DeepSeek-V3 block-FP8), they are
-experts E .. E+S-1 of the banks (local slots E_local .. E_local+S-1) and every token's
-routing gets S more columns (id E + j, weight 1.0): the fused kernel runs them with the
-routed experts, no separate MLP. Elsewhere (Kimi-K2.5 NVFP4 keeps its shared expert in BF16;
-expert parallelism) they stay a separate `DeepseekMLP` whose output the kernel adds.
+experts have a routed expert's shape and stored format (DeepSeek-V3 block-FP8, Kimi-K2.5
+NVFP4), they are experts E .. E+S-1 of the banks (local slots E_local .. E_local+S-1) and
+every token's routing gets S more columns (id E + j, weight 1.0): the fused kernel runs them
+with the routed experts, no separate MLP. Elsewhere (a shared expert stored unquantized
+beside quantized routed ones; expert parallelism) they stay a separate `DeepseekMLP` whose
+output the kernel adds.
 
 Tensor parallelism splits every expert's intermediate dimension (gate/up rows, down
 columns); expert parallelism (`TPGroup.expert_parallel`) gives each rank E/N whole experts
