@@ -168,8 +168,6 @@ async def chat_completions(st: ServerState, req: ChatCompletionRequest, raw: Req
                 top_logprobs,
                 # a parser reads the special tokens that mark reasoning and tool calls
                 skip_special_tokens=False if c.parser.active else None,
-                vocab_size=st.tokenizer.vocab_size,
-                eos_ids=st.eos_ids(),
             ),
         )
         for c in choices

@@ -101,13 +101,7 @@ async def completions(st: ServerState, req: CompletionRequest, raw: Request) -> 
         for i in range(req.n):
             index = p_idx * req.n + i
             params = sampling_params(
-                req,
-                budget,
-                choice_seed(req.seed, i),
-                req.logprobs,
-                prompt_logprobs=echo_logprobs,
-                vocab_size=st.tokenizer.vocab_size,
-                eos_ids=st.eos_ids(),
+                req, budget, choice_seed(req.seed, i), req.logprobs, prompt_logprobs=echo_logprobs
             )
             subs.append(SubRequest(index, f"{request_id}-{index}", prompt.ids, params))
             choices.append(

@@ -1,4 +1,8 @@
-"""Request fields -> the engine's SamplingParams of one choice."""
+"""Request fields -> the engine's SamplingParams of one choice.
+
+Checks that need the model (token ids against the vocabulary) are the engine's
+(`LLMEngine.validate`); its refusal reaches the client as a 400 naming the same field.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +18,8 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     skip_special_tokens: bool | None = None,
-    vocab_size: int = 0,
-    eos_ids: tuple[int, ...] = (),
 ) -> SamplingParams:
-    """The engine's parameters of one choice, checked against the model's vocabulary."""
+    """The engine's parameters of one choice; a bad combination is a 400 naming its field."""
     optional = {
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -28,7 +30,7 @@ def sampling_params(
         "repetition_penalty": req.repetition_penalty,
     }
     try:
-        params = SamplingParams(
+        return SamplingParams(
             max_tokens=max_tokens,
             seed=seed,
             logit_bias=req.logit_bias_ids,
@@ -44,8 +46,6 @@ def sampling_params(
             ),
             **{k: v for k, v in optional.items() if v is not None},
         )
-        params.check_vocab(vocab_size, eos_ids)
-        return params
     except SamplingError as e:
         raise ApiError(str(e), param=param_named(str(e), type(req).model_fields)) from e
 

@@ -37,10 +37,6 @@ class ServerState:
         self.prompts = PromptBuilder(self.engine.tokenizer, self.engine.max_model_len)
         self.logprobs = LogprobFormatter(self.engine.tokenizer)
 
-    def eos_ids(self) -> tuple[int, ...]:
-        eos = self.tokenizer.eos_token_id
-        return () if eos is None else (eos,)
-
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
