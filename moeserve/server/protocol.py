@@ -5,7 +5,8 @@ Requests accept the OpenAI fields plus the vLLM extras users of vLLM/SGLang rely
 `skip_special_tokens`, `include_stop_str_in_output`, `chat_template_kwargs`,
 `add_generation_prompt`, `continue_final_message`). Unknown fields are ignored, as OpenAI
 and vLLM do. Range checks that need no model knowledge live here; checks against the model
-(context length, vocabulary) live in api.py.
+live in the engine (`LLMEngine.validate`), and prompts.py repeats only those whose error
+must name the endpoint's own parameter (the context budget, token ids in a list of prompts).
 """
 
 from __future__ import annotations

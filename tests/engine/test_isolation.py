@@ -22,7 +22,7 @@ from moeserve.engine import engine as engine_mod  # noqa: E402
 from moeserve.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from moeserve.sampling import Sampler  # noqa: E402
 from moeserve.server import api  # noqa: E402
-from moeserve.server import chat as chat_parsers  # noqa: E402
+from moeserve.server import parsers as chat_parsers  # noqa: E402
 
 STREAM_TOKENS = 24
 

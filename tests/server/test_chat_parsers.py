@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from moeserve.server.chat import (
+from moeserve.server.parsers import (
     REASONING_FORMATS,
     ChatDelta,
     KimiToolFormat,
