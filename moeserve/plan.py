@@ -285,7 +285,7 @@ def describe_checkpoint(path: str) -> ModelSource:
 def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig) -> Plan:
     """The plan of serving the checkpoint at `path` with `engine`'s settings on `num_gpus`
     GPUs of kind `gpu` (tensor parallel size: engine.parallel.tensor_parallel_size)."""
-    from moeserve.loader.safetensors import resolve_kv_cache_dtype
+    from moeserve.loader.base import resolve_kv_cache_dtype
 
     src = describe_checkpoint(path)
     cfg, quant, source, kv_algo = src.config, src.quant, src.quant_source, src.kv_cache_quant_algo

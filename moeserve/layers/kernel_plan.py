@@ -179,7 +179,7 @@ def effective_kv_cache_dtype(
     wanted: torch.dtype, capability: tuple[int, int] | None
 ) -> tuple[torch.dtype, KernelChoice]:
     """The latent-cache dtype that runs for `wanted` (resolved from --kv-cache-dtype and the
-    checkpoint, `moeserve.loader.safetensors.resolve_kv_cache_dtype`) on a GPU of
+    checkpoint, `moeserve.loader.base.resolve_kv_cache_dtype`) on a GPU of
     `capability` (None: the CPU, whose torch path handles FP8 rows)."""
     name = str(wanted).replace("torch.", "")
     if wanted != torch.float8_e4m3fn:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from moeserve.config import ModelConfig
+from moeserve.errors import LoadError
 from moeserve.layers.kernel_plan import (
     Hardware,
     KernelPlan,
@@ -21,6 +22,21 @@ from moeserve.layers.kernel_plan import (
 from moeserve.layers.quant.base import QuantConfig
 from moeserve.parallel.groups import SINGLE, TPGroup
 from moeserve.tokenizer.base import Tokenizer
+
+KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp16": torch.float16}
+
+
+def resolve_kv_cache_dtype(
+    name: str, checkpoint_algo: str | None, dtype: torch.dtype
+) -> torch.dtype:
+    """--kv-cache-dtype auto|bf16|fp8|fp16: auto follows the checkpoint (FP8 if it asks for it,
+    else the model dtype)."""
+    if name == "auto":
+        return torch.float8_e4m3fn if checkpoint_algo == "FP8" else dtype
+    try:
+        return KV_CACHE_DTYPES[name]
+    except KeyError:
+        raise LoadError(f"unknown kv cache dtype {name!r}; use auto, bf16 or fp8") from None
 
 
 @dataclass(frozen=True)

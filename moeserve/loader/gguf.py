@@ -215,8 +215,8 @@ def _load_deepseek2(
     planning: Planning,
 ) -> LoadedModel:
     from moeserve.layers.quant.base import NoQuant
+    from moeserve.loader.base import resolve_kv_cache_dtype
     from moeserve.loader.gguf_deepseek import deepseek2_hf_config, iter_deepseek2_weights
-    from moeserve.loader.safetensors import resolve_kv_cache_dtype
     from moeserve.models.registry import model_class
 
     if quantize not in ("auto", "none"):

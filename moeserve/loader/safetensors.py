@@ -23,7 +23,13 @@ from tqdm import tqdm
 from moeserve.config import ConfigError, ModelConfig
 from moeserve.errors import LoadError
 from moeserve.layers.quant.base import QuantConfig
-from moeserve.loader.base import DEFAULT_PLANNING, LoadedModel, Planning, build_model
+from moeserve.loader.base import (
+    DEFAULT_PLANNING,
+    LoadedModel,
+    Planning,
+    build_model,
+    resolve_kv_cache_dtype,
+)
 from moeserve.loader.source import describe_source
 from moeserve.models.registry import model_class
 from moeserve.models.weights import finish_loading
@@ -32,7 +38,6 @@ from moeserve.parallel.groups import SINGLE, TPGroup
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
-KV_CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp16": torch.float16}
 # dummy weights: std of random floats, and the amplitude they dequantize to
 _DUMMY_STD = 0.02
 
@@ -153,19 +158,6 @@ def iterate_tensors(
                 yield name, LazyTensor(f, name, shape, stats)
                 bar.update(1)
     bar.close()
-
-
-def resolve_kv_cache_dtype(
-    name: str, checkpoint_algo: str | None, dtype: torch.dtype
-) -> torch.dtype:
-    """--kv-cache-dtype auto|bf16|fp8|fp16: auto follows the checkpoint (FP8 if it asks for it,
-    else the model dtype)."""
-    if name == "auto":
-        return torch.float8_e4m3fn if checkpoint_algo == "FP8" else dtype
-    try:
-        return KV_CACHE_DTYPES[name]
-    except KeyError:
-        raise LoadError(f"unknown kv cache dtype {name!r}; use auto, bf16 or fp8") from None
 
 
 def _dummy_fill(model: torch.nn.Module, seed: int = 0) -> None:
