@@ -4,7 +4,7 @@ MoE, MLA cache write and decode) against the CPU reference path. Runs where a GP
 import pytest
 import torch
 
-from moeserve.engine.engine import LLM
+from moeserve.engine.offline import LLM
 from moeserve.sampling import SamplingParams
 from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
 
