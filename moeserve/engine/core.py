@@ -26,7 +26,7 @@ from moeserve.engine.request import Request
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler
 from moeserve.engine.step import RowAllocator, StepInput
 from moeserve.engine.worker import build_executor
-from moeserve.sampling import Sampler, SamplingError, SamplingParams, is_device_error
+from moeserve.sampling import SamplingError, SamplingParams, is_device_error
 
 # CPU default of --long-prefill-token-threshold: requests behind a long prompt wait for one
 # chunk of it, not all of it. Measured on 2 cores (SmolLM2, 4k-token prompt): 1,024-token
@@ -91,7 +91,8 @@ class LLMEngine:
         )
         # ids a request may name or receive: the tokenizer's (the LM head may be padded)
         self.vocab_limit = self.runner.vocab_limit
-        self.sampler = Sampler(self.vocab_limit, tuple(sorted(self.eos_ids)))
+        # the rank's one sampler: the runner's `greedy` steps leave their tokens in it
+        self.sampler = self.runner.sampler
         self.metrics = EngineMetrics()
         self.live: dict[str, _Live] = {}
         # requests that failed alone in the last steps: (request id, error); the caller takes
@@ -288,7 +289,7 @@ class LLMEngine:
         k = len(plan.sample)
         self._host_turn ^= 1
         host = self._host_ids[self._host_turn, :k]
-        host.copy_(self.runner.last_sampled[:k], non_blocking=True)
+        host.copy_(self.sampler.device_tokens()[:k], non_blocking=True)
         event = None
         if self.runner.device.type == "cuda":
             event = torch.cuda.Event()
@@ -398,7 +399,6 @@ class LLMEngine:
             [r.request_id for r in reqs],
             [r.prompt_ids for r in reqs],
             [r.output_ids for r in reqs],
-            tuple(self.eos_ids),
         )
         tokens: dict[int, int] = {}
         lps: dict[int, TokenLogprob] = {}
@@ -436,24 +436,13 @@ class LLMEngine:
         self, req: Request, span: tuple[int, int, int], logits: torch.Tensor | None
     ) -> list[TokenLogprob | None]:
         row, start, count = span
-        k = req.params.prompt_logprobs
         entries: list[TokenLogprob | None] = [None] if start == 0 else []
         if count > 0 and logits is not None:
-            rows = logits[row : row + count, : self.vocab_limit].float()
-            logp = torch.log_softmax(rows, dim=-1)
-            targets = torch.tensor(
-                req.prompt_ids[start + 1 : start + count + 1], device=logp.device
+            targets = req.prompt_ids[start + 1 : start + count + 1]
+            scored = self.sampler.logprobs_of(
+                logits[row : row + count], targets, req.params.prompt_logprobs or 0
             )
-            chosen = logp.gather(1, targets[:, None]).squeeze(1).tolist()
-            if k:
-                tv, ti = logp.topk(k, dim=-1)
-                tops = [
-                    list(zip(a, b, strict=True))
-                    for a, b in zip(ti.tolist(), tv.tolist(), strict=True)
-                ]
-            else:
-                tops = [[] for _ in chosen]
-            for tok, lp, top in zip(targets.tolist(), chosen, tops, strict=True):
+            for tok, (lp, top) in zip(targets, scored, strict=True):
                 entries.append(TokenLogprob(tok, lp, top))
         return entries
 
