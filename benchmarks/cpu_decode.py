@@ -48,7 +48,7 @@ def _chat_ids(tok, text: str) -> list[int]:
 def bench_moeserve(configs: dict[str, dict], n_tokens: int, repeats: int) -> list[dict]:
     """Decode tok/s of moeserve's configurations, their runs interleaved (this machine's
     speed drifts by tens of percent over minutes; back-to-back blocks would measure that)."""
-    from moeserve.engine.engine import LLM
+    from moeserve.engine.offline import LLM
     from moeserve.sampling import SamplingParams
 
     engines = {label: LLM(None, max_model_len=1024, **kw) for label, kw in configs.items()}
@@ -149,7 +149,7 @@ def _random_ids(n: int, seed: int) -> list[int]:
 def bench_prefill(lengths: list[int], repeats: int, with_hf: bool) -> list[dict]:
     """Prefill tok/s per prompt length: moeserve's default (native CPU kernels), the same with
     torch's CPU kernels, and HF bf16, interleaved."""
-    from moeserve.engine.engine import LLM
+    from moeserve.engine.offline import LLM
     from moeserve.sampling import SamplingParams
 
     engines = {
@@ -197,7 +197,7 @@ def bench_deterministic(n_tokens: int, repeats: int) -> dict:
     their solo runs (which hit the prefix cache the batch filled): the default (native CPU
     kernels, batch-invariant by construction), torch's kernels with --deterministic (their
     batch-invariant attention) and without."""
-    from moeserve.engine.engine import LLM
+    from moeserve.engine.offline import LLM
     from moeserve.sampling import SamplingParams
 
     modes = {  # label: engine settings

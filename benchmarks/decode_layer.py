@@ -54,7 +54,7 @@ TARGET_MS = 0.20
 
 def _engine(path: Path, layers: int, profile_steps: int, tp: int = 1, ep: bool = False, **settings):
     """The benchmark's engine; `settings`: more engine settings (--set, e.g. page_size=64)."""
-    from moeserve.engine.engine import build_engine
+    from moeserve.engine.core import build_engine
 
     return build_engine(
         str(path),

@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=REQUESTS)
     args = ap.parse_args()
     lengths = [int(n) for n in args.ttft_lengths.split(",")]
-    from moeserve.engine.engine import build_engine
+    from moeserve.engine.core import build_engine
 
     engine = build_engine(
         args.config,

@@ -44,7 +44,7 @@ def words(rng: random.Random, n: int) -> str:
 
 
 # RSS is read this long after the server went idle: the engine returns freed heap memory to
-# the system after 1 s of idleness (moeserve.engine.engine.trim_host_heap)
+# the system after 1 s of idleness (moeserve.engine.async_engine.trim_host_heap)
 IDLE_SETTLE_S = 2.5
 OK_KINDS = ("chat-stream", "chat", "completion-n", "prompt-list", "long-prompt", "penalties")
 

@@ -143,14 +143,13 @@ def _has_cuda() -> bool:
 
 def _serve(args: argparse.Namespace) -> int:
     from moeserve.config import ServerConfig, config_from_args
-    from moeserve.engine.engine import build_async_engine
+    from moeserve.engine.async_engine import build_async_engine
     from moeserve.server.api import run_server
 
     t0 = time.time()
     cfg = engine_config(args)
     if cfg.parallel.distributed_executor == "torchrun" and os.environ.get("RANK", "0") != "0":
-        from moeserve.engine.engine import resolve_device, torchrun_rendezvous
-        from moeserve.engine.worker import run_worker
+        from moeserve.engine.worker import resolve_device, run_worker, torchrun_rendezvous
 
         run_worker(cfg, torchrun_rendezvous(resolve_device(cfg)))  # only runs steps
         return 0
@@ -170,7 +169,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from moeserve.engine.engine import build_engine, served_name
+    from moeserve.engine.async_engine import served_name
+    from moeserve.engine.core import build_engine
     from moeserve.sampling import SamplingParams
 
     t0 = time.time()

@@ -10,8 +10,9 @@ Draws use the exponential race (argmax of p / E with E ~ Exp(1), which picks tok
 probability p_i): unseeded rows take their noise from one batched call, a seeded row from its
 own generator on the device, so a seeded request gives the same tokens whatever else is in
 the batch. One device-to-host copy per step brings back the sampled ids (plus one for the
-rows that asked for logprobs). Penalties read per-request token counts kept on the device and
-updated with each step's new tokens only.
+rows that asked for logprobs); steps of greedy rows under overlap scheduling leave them on
+the device instead (`greedy_on_device`). Penalties read per-request token counts kept on the
+device and updated with each step's new tokens only.
 
 A row whose own state cannot be built fails alone (`SampleResult.errors`); a row left with no
 finite logit (every token masked, or a penalty that overflowed to nan) fails alone as well:
@@ -237,13 +238,38 @@ class Sampler:
 
     `vocab_limit`: ids at or beyond it are never sampled nor reported (the LM head of
     DeepSeek/Kimi is padded beyond the tokenizer's vocabulary); None: the logits' width.
+
+    Steps of greedy rows only can leave their tokens on `device` instead (`greedy_on_device`,
+    overlap scheduling): the next step is queued before the host has seen them, and its
+    input ids name them (`device_tokens`).
     """
 
-    def __init__(self, vocab_limit: int | None = None, eos_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        vocab_limit: int | None = None,
+        eos_ids: tuple[int, ...] = (),
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.vocab_limit = vocab_limit
         self.eos_ids = tuple(eos_ids)
         self._rows: dict[str, _Row] = {}
         self._counts: _Counts | None = None
+        # the tokens of the latest `greedy_on_device` step and of the one before it
+        self._device_ids = torch.zeros(1, dtype=torch.int64, device=device)
+        self._device_ids_before = self._device_ids
+
+    # ---- greedy tokens kept on the device ----------------------------------------------------
+    def greedy_on_device(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax over the allowed vocabulary [B], left on the device (no host
+        sync) and kept for `device_tokens`."""
+        self._device_ids_before = self._device_ids
+        self._device_ids = logits[:, : self.vocab_limit].argmax(dim=-1)
+        return self._device_ids
+
+    def device_tokens(self, before_latest: bool = False) -> torch.Tensor:
+        """The tokens of the latest `greedy_on_device` step, or of the step before it (what a
+        rerun of the latest step was given)."""
+        return self._device_ids_before if before_latest else self._device_ids
 
     # ---- per-request state -----------------------------------------------------------------
     def forget(self, request_id: str) -> None:
@@ -302,6 +328,23 @@ class Sampler:
             bias_ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long).to(dev)
             bias_values = torch.tensor([v for _, v in p.logit_bias], dtype=torch.float32).to(dev)
         return _Row(p, gen, slot, 0, blocked, bias_ids, bias_values)
+
+    # ---- scoring given tokens --------------------------------------------------------------
+    def logprobs_of(
+        self, logits: torch.Tensor, targets: list[int], k: int = 0
+    ) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Per row of `logits` [n, V]: the logprob of `targets[row]` under the model's raw
+        distribution over the allowed vocabulary, and that row's top `k` (token, logprob)."""
+        logp = torch.log_softmax(logits[:, : self.vocab_limit].float(), dim=-1)
+        ids = torch.tensor(targets, device=logp.device)
+        chosen = logp.gather(1, ids[:, None]).squeeze(1).tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in chosen]
+        if k:
+            tv, ti = logp.topk(k, dim=-1)
+            tops = [
+                list(zip(a, b, strict=True)) for a, b in zip(ti.tolist(), tv.tolist(), strict=True)
+            ]
+        return list(zip(chosen, tops, strict=True))
 
     # ---- one step --------------------------------------------------------------------------
     def __call__(

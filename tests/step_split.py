@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from moeserve.engine.engine import LLM
+from moeserve.engine.offline import LLM
 from moeserve.engine.step import StepInput
 
 PROMPT_LEN = 100

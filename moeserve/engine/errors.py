@@ -17,3 +17,10 @@ class RequestFailed(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine stopped (a poisoning error); the process is exiting: HTTP 503."""
+
+
+def failure_message(e: BaseException) -> str:
+    """What a request that failed alone reports: what failed, not a traceback."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    detail = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return f"Internal error while generating this request ({detail}); other requests go on."

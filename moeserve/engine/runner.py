@@ -2,7 +2,8 @@
 the logits (the only torch in the engine besides sampling).
 
 Every rank of a tensor-parallel group holds a `ModelRunner` and runs the same `StepInput`s in
-the same order (their collectives pair up); rank 0 also schedules and samples. Start-up is
+the same order (their collectives pair up); rank 0 also schedules, and samples with the
+runner's `sampler` (every rank samples the greedy tokens of overlapped steps). Start-up is
 collective too: the KV cache is sized on every rank from its own free memory and the
 smallest page count wins, and graphs are captured in the same order everywhere.
 """
@@ -24,6 +25,7 @@ from moeserve.engine.step import StepInput, iter_page_updates
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.loader.base import LoadedModel
 from moeserve.parallel.groups import SINGLE, TPGroup
+from moeserve.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +99,9 @@ class ModelRunner:
         self.vocab_limit = min(
             self.vocab_size, getattr(loaded.tokenizer, "vocab_size", None) or self.vocab_size
         )
-        # greedy tokens of the last step with `greedy` set (overlap scheduling), and of the
-        # step before it (what a profiling rerun of the last step resolves its ids from)
-        self.last_sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._prev_sampled = self.last_sampled
+        # on every rank: the next step's placeholder ids name the greedy tokens it keeps
+        eos_ids = tuple(sorted(set(loaded.config.eos_token_ids)))
+        self.sampler = Sampler(self.vocab_limit, eos_ids, self.device)
         model_len = loaded.config.context_len(config.scheduler.max_model_len)
         self.max_rows = config.scheduler.max_num_seqs
         self.graphs: DecodeGraphs | None = None
@@ -442,10 +443,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, step: StepInput) -> torch.Tensor | None:
         """Run one step; fp32 logits [len(step.logit_rows), vocab] (every rank computes them:
-        the LM head is vocab-parallel), or None when no row needs logits."""
+        the LM head is vocab-parallel), or None when no row needs logits. A `greedy` step's
+        tokens also stay on the device, in `sampler`, for the next step's placeholder ids."""
         st = self._tensors(step)
         if step.ids and min(step.ids) < 0:  # placeholders: tokens the last step sampled
-            src = self._prev_sampled if step.eager else self.last_sampled
+            # an eager step reruns the latest one (profiling): it was given the tokens before
+            src = self.sampler.device_tokens(before_latest=step.eager)
             idx = (-st.ids - 1).clamp_(0, src.numel() - 1)
             st.ids.copy_(torch.where(st.ids < 0, src.index_select(0, idx), st.ids))
         g = self.graphs
@@ -476,8 +479,7 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden.index_select(0, st.logit_rows))
         if step.greedy and not step.eager:
-            self._prev_sampled = self.last_sampled
-            self.last_sampled = logits[:, : self.vocab_limit].argmax(dim=-1)
+            self.sampler.greedy_on_device(logits)
         return logits
 
 

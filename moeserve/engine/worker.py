@@ -1,5 +1,9 @@
-"""One process per rank: set up torch.distributed, load this rank's slice of the model, build
-its runner; ranks other than 0 then execute every step rank 0 broadcasts until told to stop.
+"""Starting the ranks of an engine and running the ranks other than 0.
+
+Every rank is one process: it sets up torch.distributed, loads its slice of the model and
+builds its runner (`join_group`); ranks other than 0 then execute every step rank 0
+broadcasts until told to stop (`run_worker`). Rank 0 gets an `Executor` (`build_executor`)
+that sends each step to the others before running it.
 
 Launch modes (`ParallelConfig.distributed_executor`):
 - "mp": rank 0 is the serving process; it spawns ranks 1..N-1 on the GPUs of its host and
@@ -11,18 +15,34 @@ Launch modes (`ParallelConfig.distributed_executor`):
 
 from __future__ import annotations
 
+import json
 import logging
+import multiprocessing as mp
 import os
 import socket
 import sys
-from dataclasses import dataclass
+import tempfile
+import time
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from moeserve.config import EngineConfig
+from moeserve.config import (
+    DEFAULT_MAX_POSITIONS,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    parse_dtype,
+    served_context_len,
+)
+from moeserve.engine.executor import DistributedExecutor, Executor, start_watchdog
+from moeserve.engine.runner import ModelRunner
 from moeserve.engine.step import StepInput
+from moeserve.layers.kernel_plan import PlanSettings
+from moeserve.loader import load_model, resolve_model_path
+from moeserve.loader.base import Planning
 from moeserve.parallel.broadcast import (
     SPIN_S_CPU,
     SPIN_S_GPU,
@@ -30,20 +50,20 @@ from moeserve.parallel.broadcast import (
     DistChannel,
     ShmChannel,
 )
-from moeserve.parallel.groups import TPGroup
+from moeserve.parallel.groups import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
 
 # NVLink multicast is never used: it can take the host's shared GPUs down
-SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+SAFE_ENV = (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+)
 
 
 def apply_safe_env() -> None:
-    for k, v in SAFE_ENV.items():
+    for k, v in SAFE_ENV:
         os.environ.setdefault(k, v)
 
 
@@ -57,12 +77,31 @@ class Rendezvous:
     device: str  # this rank's device ("cpu" or "cuda:N")
 
 
+def resolve_device(cfg: EngineConfig) -> str:
+    return cfg.load.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _gpu_index(device: str) -> int:
+    """cuda -> 0, cuda:K -> K."""
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
 def rank_device(base: str, local_rank: int) -> str:
     """cuda -> cuda:local_rank; cuda:K -> cuda:(K + local_rank); cpu stays cpu."""
     if not base.startswith("cuda"):
         return "cpu"
-    first = int(base.split(":")[1]) if ":" in base else 0
-    return f"cuda:{first + local_rank}"
+    return f"cuda:{_gpu_index(base) + local_rank}"
+
+
+# ---- one rank's start-up (collective: every rank runs it, in the same order) ----------------
+def join_group(cfg: EngineConfig, rdv: Rendezvous) -> tuple[ModelRunner, ShmChannel | DistChannel]:
+    """This rank's runner and the group's step channel; returns once every rank is ready
+    to serve."""
+    tp = init_distributed(cfg, rdv)
+    runner = build_rank(cfg, tp, rdv.device)
+    channel = open_channel(tp, rdv.device)
+    dist.barrier(group=tp.cpu_group)
+    return runner, channel
 
 
 def init_distributed(cfg: EngineConfig, rdv: Rendezvous) -> TPGroup:
@@ -87,6 +126,80 @@ def init_distributed(cfg: EngineConfig, rdv: Rendezvous) -> TPGroup:
     )
 
 
+def build_rank(cfg: EngineConfig, tp: TPGroup, device: str) -> ModelRunner:
+    """This rank's model slice and runner (every rank, rank 0 included)."""
+    if cfg.load.threads:
+        torch.set_num_threads(cfg.load.threads)
+    torch.manual_seed(cfg.load.seed)
+    dtype = parse_dtype(cfg.load.dtype, torch.float32, device)
+    if tp.size > 1:
+        tp = _with_communicator(cfg, tp, device, dtype)
+    t0 = time.perf_counter()
+    loaded = load_model(
+        cfg.model,
+        dtype,
+        device,
+        quantize=cfg.load.quantization,
+        kv_cache_dtype=cfg.cache.kv_cache_dtype,
+        num_layers=cfg.load.num_layers,
+        load_format=cfg.load.load_format,
+        tp=tp,
+        seed=cfg.load.seed,
+        planning=Planning(settings=plan_settings(cfg, tp.size)),
+    )
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    loaded = replace(loaded, load_seconds=time.perf_counter() - t0)
+    return ModelRunner(cfg, loaded, device, tp)
+
+
+def plan_settings(cfg: EngineConfig, tp_size: int) -> PlanSettings:
+    """The engine settings the kernel plan depends on (the loader adds the dtypes)."""
+    return PlanSettings(
+        page_size=cfg.cache.page_size,
+        mla_decode_kernel=cfg.cache.mla_decode_kernel,
+        enforce_eager=cfg.enforce_eager,
+        deterministic=cfg.load.deterministic,
+        cpu_kernels=cfg.load.cpu_kernels,
+        tp_size=tp_size,
+    )
+
+
+def _with_communicator(cfg: EngineConfig, tp: TPGroup, device: str, dtype: torch.dtype) -> TPGroup:
+    """The group's all-reduce implementation, chosen collectively before the model is built
+    (the layers keep the group they are built with)."""
+    from moeserve.parallel.comm import create_communicator
+
+    comm = create_communicator(
+        tp.group,
+        tp.rank,
+        tp.size,
+        torch.device(device),
+        max_tokens=cfg.scheduler.max_num_batched_tokens,
+        hidden=model_limits(cfg.model)[0],
+        dtype=dtype,
+        prefer=cfg.parallel.all_reduce,
+        cpu_group=tp.cpu_group,
+    )
+    return replace(tp, comm=comm)
+
+
+def model_limits(model: str | None) -> tuple[int, int]:
+    """(hidden size, positions) from a checkpoint's description, before loading it."""
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        from gguf import GGUFReader
+
+        meta = GGUFReader(path).fields
+        arch = meta["general.architecture"].contents()
+        ctx = meta.get(f"{arch}.context_length")
+        positions = int(ctx.contents()) if ctx is not None else DEFAULT_MAX_POSITIONS
+        return int(meta[f"{arch}.embedding_length"].contents()), positions
+    with open(os.path.join(path, "config.json")) as f:
+        mc = ModelConfig.from_hf(json.load(f))
+    return mc.hidden_size, mc.max_position_embeddings
+
+
 def open_channel(tp: TPGroup, device: str) -> ShmChannel | DistChannel:
     """The step channel, agreed by all ranks: shared memory (created by rank 0) when every
     rank is on this host, else a gloo broadcast."""
@@ -101,7 +214,8 @@ def open_channel(tp: TPGroup, device: str) -> ShmChannel | DistChannel:
     return mine if mine is not None else ShmChannel(names[0], tp.size - 1, spin_s=spin)
 
 
-def worker_loop(runner: object, channel: ShmChannel | DistChannel, rank: int) -> None:
+# ---- ranks > 0 ------------------------------------------------------------------------------
+def worker_loop(runner: ModelRunner, channel: ShmChannel | DistChannel, rank: int) -> None:
     """Ranks > 0: run every step rank 0 sends, until a stop message (or rank 0 is gone)."""
     parent = os.getppid()
     alive = lambda: os.getppid() == parent  # noqa: E731 (spawned: our parent is rank 0)
@@ -109,7 +223,7 @@ def worker_loop(runner: object, channel: ShmChannel | DistChannel, rank: int) ->
         step = StepInput.unpack(channel.read(rank - 1, alive))
         if step is None:
             return
-        runner.execute_model(step)  # type: ignore[attr-defined]
+        runner.execute_model(step)
 
 
 def run_worker(cfg: EngineConfig, rdv: Rendezvous) -> None:
@@ -117,12 +231,7 @@ def run_worker(cfg: EngineConfig, rdv: Rendezvous) -> None:
     apply_safe_env()
     logging.basicConfig(level=logging.WARNING, format=f"rank {rdv.rank}: %(message)s")
     try:
-        from moeserve.engine.engine import build_rank
-
-        tp = init_distributed(cfg, rdv)
-        runner = build_rank(cfg, tp, rdv.device)
-        channel = open_channel(tp, rdv.device)
-        dist.barrier(group=tp.cpu_group)  # every rank is ready to serve
+        runner, channel = join_group(cfg, rdv)
         worker_loop(runner, channel, rdv.rank)
     except ChannelClosed:
         sys.exit(0)  # rank 0 went away first; it reported why
@@ -131,3 +240,60 @@ def run_worker(cfg: EngineConfig, rdv: Rendezvous) -> None:
         sys.stderr.flush()
         os._exit(1)
     os._exit(0)  # skip gloo/NCCL teardown, which can abort in spawned processes
+
+
+# ---- rank 0 ---------------------------------------------------------------------------------
+def build_executor(cfg: EngineConfig) -> Executor:
+    """Rank 0's executor: this process alone, or the group it spawns or joins."""
+    device = resolve_device(cfg)
+    par = cfg.parallel
+    if par.distributed_executor == "torchrun":
+        return _join_torchrun(cfg, device)
+    if par.tensor_parallel_size > 1:
+        return _start_spawned_ranks(cfg, device)
+    return Executor(build_rank(cfg, SINGLE, device))
+
+
+def _start_spawned_ranks(cfg: EngineConfig, device: str) -> Executor:
+    """Rank 0 here; ranks 1..N-1 spawned on the next devices of this host."""
+    world = cfg.parallel.tensor_parallel_size
+    if device.startswith("cuda"):
+        have = torch.cuda.device_count()
+        if _gpu_index(device) + world > have:
+            raise ConfigError(
+                f"--tensor-parallel-size {world} needs {world} GPUs from {device}; "
+                f"this host has {have}."
+            )
+    # refuse a bad --max-model-len here, once, rather than from every rank
+    served_context_len(cfg.scheduler.max_model_len, model_limits(cfg.model)[1])
+    apply_safe_env()  # inherited by the spawned ranks
+    store = tempfile.TemporaryDirectory(prefix="moeserve-dist-")
+    init = f"file://{os.path.join(store.name, 'store')}"
+    ctx = mp.get_context("spawn")
+    procs = []
+    for r in range(1, world):
+        rdv = Rendezvous(r, world, init, rank_device(device, r))
+        p = ctx.Process(target=run_worker, args=(cfg, rdv), name=f"moeserve-rank{r}", daemon=True)
+        p.start()
+        procs.append(p)
+    stop = start_watchdog(procs)  # a rank that dies while loading stops us too
+    runner, channel = join_group(cfg, Rendezvous(0, world, init, rank_device(device, 0)))
+    return DistributedExecutor(runner, channel, procs, store, stop)
+
+
+def _join_torchrun(cfg: EngineConfig, device: str) -> Executor:
+    """Rank 0 of a torchrun launch (the other ranks run `run_worker`)."""
+    runner, channel = join_group(cfg, torchrun_rendezvous(device))
+    return DistributedExecutor(runner, channel)
+
+
+def torchrun_rendezvous(device: str) -> Rendezvous:
+    """This process's rank under torchrun (RANK, WORLD_SIZE, LOCAL_RANK from its env)."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+    except (KeyError, ValueError):
+        raise ConfigError(
+            "--distributed-executor torchrun needs RANK and WORLD_SIZE: start it with torchrun."
+        ) from None
+    return Rendezvous(rank, world, "env://", rank_device(device, local))

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from moeserve.engine.engine import LLM
+from moeserve.engine.offline import LLM
 from moeserve.sampling import SamplingParams
 from moeserve.testing.checkpoints import TinyShape, write_checkpoint
 from tests.e2e.conftest import greedy_choice

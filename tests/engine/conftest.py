@@ -27,6 +27,6 @@ def hf_llama(gguf_path):
 
 @pytest.fixture(scope="session")
 def llm(gguf_path):
-    from moeserve.engine.engine import LLM
+    from moeserve.engine.offline import LLM
 
     return LLM(gguf_path, dtype="float32", max_model_len=2048)

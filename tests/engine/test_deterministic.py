@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.engine.engine import LLM
+from moeserve.engine.offline import LLM
 from moeserve.sampling import SamplingParams
 
 TOPICS = ["cats", "rain", "trains", "tea", "maps", "snow", "jazz", "bread"]

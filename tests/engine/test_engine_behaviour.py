@@ -2,7 +2,8 @@
 
 import pytest
 
-from moeserve.engine.engine import LLM, EngineInputError
+from moeserve.engine.errors import EngineInputError
+from moeserve.engine.offline import LLM
 from moeserve.sampling import SamplingParams
 
 PROMPTS = [

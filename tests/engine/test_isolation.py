@@ -18,7 +18,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from moeserve.config import ServerConfig  # noqa: E402
-from moeserve.engine import engine as engine_mod  # noqa: E402
+from moeserve.engine import async_engine as engine_mod  # noqa: E402
 from moeserve.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from moeserve.sampling import Sampler  # noqa: E402
 from moeserve.server import api  # noqa: E402

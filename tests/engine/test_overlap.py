@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeserve.engine.engine import LLM
+from moeserve.engine.offline import LLM
 from moeserve.sampling import SamplingParams
 from moeserve.testing.checkpoints import write_checkpoint
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from step_split import PROMPT_LEN, SPLITS, last_logits, random_prompt
 
-from moeserve.engine.engine import LLM
+from moeserve.engine.offline import LLM
 from moeserve.sampling import SamplingParams
 from moeserve.testing.checkpoints import write_checkpoint
 

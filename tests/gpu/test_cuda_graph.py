@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 import torch
 
-from moeserve.engine.engine import LLM
+from moeserve.engine.offline import LLM
 from moeserve.sampling import SamplingParams
 from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
 

@@ -4,7 +4,7 @@ write and decode) against the CPU reference path. Runs where a GPU is."""
 import pytest
 import torch
 
-from moeserve.engine.engine import LLM
+from moeserve.engine.offline import LLM
 from moeserve.sampling import SamplingParams
 from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
 

@@ -21,7 +21,7 @@ from moeserve.server.api import create_app
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-engine_mod = pytest.importorskip("moeserve.engine.engine")
+engine_mod = pytest.importorskip("moeserve.engine.async_engine")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_MODEL_LEN = 2048

@@ -23,7 +23,7 @@ from moeserve.server.api import create_app
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-engine_mod = pytest.importorskip("moeserve.engine.engine")
+engine_mod = pytest.importorskip("moeserve.engine.async_engine")
 
 FRANCE = "What is the capital of France?"
 HAMLET = "Who wrote Hamlet?"
