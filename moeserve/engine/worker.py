@@ -15,7 +15,6 @@ Launch modes (`ParallelConfig.distributed_executor`):
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -30,10 +29,8 @@ import torch
 import torch.distributed as dist
 
 from moeserve.config import (
-    DEFAULT_MAX_POSITIONS,
     ConfigError,
     EngineConfig,
-    ModelConfig,
     parse_dtype,
     served_context_len,
 )
@@ -43,6 +40,7 @@ from moeserve.engine.step import StepInput
 from moeserve.layers.kernel_plan import PlanSettings
 from moeserve.loader import load_model, resolve_model_path
 from moeserve.loader.base import Planning
+from moeserve.loader.source import describe_source
 from moeserve.parallel.broadcast import (
     SPIN_S_CPU,
     SPIN_S_GPU,
@@ -186,18 +184,8 @@ def _with_communicator(cfg: EngineConfig, tp: TPGroup, device: str, dtype: torch
 
 def model_limits(model: str | None) -> tuple[int, int]:
     """(hidden size, positions) from a checkpoint's description, before loading it."""
-    path = resolve_model_path(model)
-    if path.endswith(".gguf"):
-        from gguf import GGUFReader
-
-        meta = GGUFReader(path).fields
-        arch = meta["general.architecture"].contents()
-        ctx = meta.get(f"{arch}.context_length")
-        positions = int(ctx.contents()) if ctx is not None else DEFAULT_MAX_POSITIONS
-        return int(meta[f"{arch}.embedding_length"].contents()), positions
-    with open(os.path.join(path, "config.json")) as f:
-        mc = ModelConfig.from_hf(json.load(f))
-    return mc.hidden_size, mc.max_position_embeddings
+    src = describe_source(resolve_model_path(model))
+    return src.hidden_size, src.max_positions
 
 
 def open_channel(tp: TPGroup, device: str) -> ShmChannel | DistChannel:
