@@ -540,39 +540,28 @@ def _kv_scheme(model: nn.Module, algo: str | None, loaded: dict[str, set]) -> st
 
 # ---- GGUF -------------------------------------------------------------------------------------
 def check_gguf(path: str) -> CheckReport:
-    from gguf import GGUFReader
-
     from moeserve.loader.gguf import SUPPORTED_TYPES
+    from moeserve.loader.source import describe_source
 
-    def value(key: str) -> Any:
-        # a few keys only: the tokenizer's arrays are slow to read and not needed here
-        f = reader.get_field(key)
-        return None if f is None else f.contents()
-
-    try:
-        reader = GGUFReader(path)
-        arch = value("general.architecture")
-        meta = {"general.name": value("general.name"), f"{arch}.block_count": None}
-        meta[f"{arch}.block_count"] = value(f"{arch}.block_count")
-    except Exception as e:  # noqa: BLE001 - a parser of an untrusted file: any failure is "corrupt"
-        raise LoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    src = describe_source(path)
+    arch = src.gguf_arch
     report = CheckReport()
-    types = Counter(t.tensor_type.name for t in reader.tensors)
-    total = sum(int(t.n_bytes) for t in reader.tensors)
+    types = Counter(t.type_name for t in src.gguf_tensors)
+    total = sum(t.n_bytes for t in src.gguf_tensors)
     report.lines.append(
-        f"checkpoint: {path}: GGUF, {len(reader.tensors):,} tensors, {total / (1 << 30):.2f} GiB"
+        f"checkpoint: {path}: GGUF, {len(src.gguf_tensors):,} tensors, {total / (1 << 30):.2f} GiB"
     )
-    report.lines.append(f"architecture: {arch} ({meta['general.name'] or 'unnamed'})")
+    report.lines.append(f"architecture: {arch} ({src.raw.get('general.name') or 'unnamed'})")
     report.lines.append("format: GGUF " + ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))
     if arch not in ("llama", "deepseek2"):
         report.problems.append(f"GGUF architecture {arch!r} is not supported (llama, deepseek2)")
     bad = sorted(k for k in types if k not in SUPPORTED_TYPES)
     if bad:
         report.problems.append(f"quant type(s) {', '.join(bad)} are not supported")
-    blocks = meta.get(f"{arch}.block_count")
+    blocks = src.raw.get(f"{arch}.block_count")
     if isinstance(blocks, int):
         present = {
-            int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))
+            int(m.group(1)) for t in src.gguf_tensors if (m := re.match(r"blk\.(\d+)\.", t.name))
         }
         lacking = sorted(set(range(blocks)) - present)
         if lacking:

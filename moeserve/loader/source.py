@@ -16,14 +16,22 @@ from moeserve.layers.quant.base import QuantConfig
 
 
 @dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    type_name: str  # llama.cpp's quant type name (Q4_K, F16, ...)
+    n_bytes: int
+
+
+@dataclass(frozen=True)
 class ModelSource:
     path: str
     kind: str  # "hf" (a checkpoint folder) or "gguf"
-    raw: dict[str, Any]  # config.json, or the GGUF file's metadata (key -> value)
+    raw: dict[str, Any]  # config.json, or the GGUF file's scalar metadata (key -> value)
     config: ModelConfig | None = None  # HF: parsed; GGUF: built by its loader (needs the vocab)
     quant: QuantConfig | None = None  # HF: the checkpoint's; GGUF: chosen at load
     quant_source: str = ""  # where the quantization description came from
     kv_cache_quant_algo: str | None = None  # what the checkpoint asks of the KV cache
+    gguf_tensors: tuple[GGUFTensor, ...] = ()  # GGUF: the file's tensor directory
 
     @property
     def hidden_size(self) -> int:
@@ -88,12 +96,20 @@ def describe_source(path: str) -> ModelSource:
 
 
 def _describe_gguf(path: str) -> ModelSource:
-    from gguf import GGUFReader
-
-    from moeserve.loader.gguf import read_metadata
+    """The file's scalar metadata and tensor directory; the tokenizer's arrays (the bulk of
+    the metadata) are left to the loader, which needs them."""
+    from gguf import GGUFReader, GGUFValueType
 
     try:
-        meta = read_metadata(GGUFReader(path))
-    except (OSError, ValueError) as e:
-        raise LoadError(f"cannot read GGUF file {path}: {e}") from None
-    return ModelSource(path, "gguf", meta, quant_source="GGUF tensor types")
+        reader = GGUFReader(path)
+        meta = {
+            key: f.contents()
+            for key, f in reader.fields.items()
+            if not key.startswith("GGUF.") and f.types and f.types[0] != GGUFValueType.ARRAY
+        }
+        tensors = tuple(
+            GGUFTensor(t.name, t.tensor_type.name, int(t.n_bytes)) for t in reader.tensors
+        )
+    except Exception as e:  # noqa: BLE001 - a parser of an untrusted file: any failure is "corrupt"
+        raise LoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    return ModelSource(path, "gguf", meta, quant_source="GGUF tensor types", gguf_tensors=tensors)
