@@ -71,6 +71,11 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- front end side --------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """The engine's checks of a request, without submitting it (the front end calls this
+        for each of a request's prompts before admitting any); returns max_tokens, resolved."""
+        return self.engine.validate(prompt_token_ids, params)
+
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:

@@ -22,11 +22,11 @@ from moeserve.engine.kv_blocks import PageAllocator
 from moeserve.engine.metrics import EngineMetrics
 from moeserve.engine.outputs import RequestOutput, TokenLogprob
 from moeserve.engine.profile import DecodeProfiler
-from moeserve.engine.request import Request
+from moeserve.engine.request import Request, validate_request
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler
 from moeserve.engine.step import RowAllocator, StepInput
 from moeserve.engine.worker import build_executor
-from moeserve.sampling import SamplingError, SamplingParams, is_device_error
+from moeserve.sampling import SamplingParams, is_device_error
 
 # CPU default of --long-prefill-token-threshold: requests behind a long prompt wait for one
 # chunk of it, not all of it. Measured on 2 cores (SmolLM2, 4k-token prompt): 1,024-token
@@ -120,32 +120,10 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Check a request; return its resolved max_tokens."""
-        n = len(prompt_ids)
-        if n == 0:
-            raise EngineInputError("the prompt is empty.")
-        vocab = self.vocab_limit
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise EngineInputError(f"prompt token ids must be in [0, {vocab}).")
-        try:
-            params.check_vocab(vocab, tuple(sorted(self.eos_ids)))
-        except SamplingError as e:
-            raise EngineInputError(str(e)) from None
-        limit = self.max_model_len
-        if params.max_tokens is None:
-            if n >= limit:
-                raise EngineInputError(
-                    f"This model's maximum context length is {limit} tokens. However, your "
-                    f"prompt has {n} tokens, which leaves no room for a completion."
-                )
-            return limit - n
-        if n + params.max_tokens > limit:
-            raise EngineInputError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the "
-                "completion). Please reduce the length of the prompt or the completion."
-            )
-        return params.max_tokens
+        """Check a request (`validate_request`); return its resolved max_tokens."""
+        return validate_request(
+            prompt_ids, params, self.vocab_limit, tuple(sorted(self.eos_ids)), self.max_model_len
+        )
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.live:

@@ -6,7 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from moeserve.sampling import SamplingParams
+from moeserve.engine.errors import ContextLengthExceeded, EngineInputError
+from moeserve.sampling import SamplingError, SamplingParams
 
 
 class Status(enum.Enum):
@@ -67,3 +68,34 @@ class Request:
         self.status = Status.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
+
+
+def validate_request(
+    prompt_ids: list[int],
+    params: SamplingParams,
+    vocab_limit: int,
+    eos_ids: tuple[int, ...],
+    max_model_len: int,
+) -> int:
+    """Every check a request meets before the engine takes it (the one place they live);
+    returns its max_tokens, resolved (None: what the context leaves)."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise EngineInputError("The prompt is empty.", in_prompt=True)
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_limit), None)
+    if bad is not None:
+        raise EngineInputError(
+            f"Token id {bad} in the prompt is outside the vocabulary (0..{vocab_limit - 1}).",
+            in_prompt=True,
+        )
+    try:
+        params.check_vocab(vocab_limit, eos_ids)
+    except SamplingError as e:
+        raise EngineInputError(str(e)) from None
+    if params.max_tokens is None:
+        if n >= max_model_len:
+            raise ContextLengthExceeded(max_model_len, n, None)
+        return max_model_len - n
+    if n + params.max_tokens > max_model_len:
+        raise ContextLengthExceeded(max_model_len, n, params.max_tokens)
+    return params.max_tokens

@@ -141,9 +141,14 @@ def _delta_dict(d: parsers.ChatDelta) -> dict[str, Any]:
 async def chat_completions(st: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
     st.check_model(req.model)
     prompt = await anyio.to_thread.run_sync(st.prompts.chat, req)
-    max_tokens = st.prompts.output_budget(len(prompt.ids), req.output_limit, "messages")
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     request_id = new_id("chatcmpl")
+    max_tokens = st.check_request(
+        prompt.ids,
+        sampling_params(req, req.output_limit, req.seed, top_logprobs),
+        ChatCompletionRequest.model_fields,
+        prompt.field,
+    )
     choices = [
         ChatChoiceStream(
             i,

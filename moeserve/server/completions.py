@@ -97,7 +97,9 @@ async def completions(st: ServerState, req: CompletionRequest, raw: Request) -> 
     request_id = new_id("cmpl")
     subs, choices = [], []
     for p_idx, prompt in enumerate(prompts):
-        budget = st.prompts.output_budget(len(prompt.ids), req.max_tokens, "prompt")
+        # the n choices of a prompt differ in their seeds only: one check
+        checked = sampling_params(req, req.max_tokens, req.seed, req.logprobs, echo_logprobs)
+        budget = st.check_request(prompt.ids, checked, CompletionRequest.model_fields, prompt.field)
         for i in range(req.n):
             index = p_idx * req.n + i
             params = sampling_params(
@@ -107,6 +109,8 @@ async def completions(st: ServerState, req: CompletionRequest, raw: Request) -> 
             choices.append(
                 CompletionChoiceStream(index, prompt, req.echo, st.logprobs, req.logprobs)
             )
+    if req.echo:
+        await anyio.to_thread.run_sync(st.prompts.decode_echoes, prompts)
     prompt_tokens = sum(len(p.ids) for p in prompts)
     answer = Answer(request_id, "text_completion", st.model_name, choices, prompt_tokens)
     return await respond(raw, st.group(subs), answer, req, CompletionResponse)

@@ -10,7 +10,12 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from moeserve.engine.errors import EngineDead, EngineInputError, RequestFailed
+from moeserve.engine.errors import (
+    ContextLengthExceeded,
+    EngineDead,
+    EngineInputError,
+    RequestFailed,
+)
 from moeserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -95,12 +100,22 @@ ENGINE_ERRORS = (EngineInputError, RequestFailed, EngineDead)
 
 
 def from_engine(
-    exc: EngineInputError | RequestFailed | EngineDead, fields: Iterable[str] = ()
+    exc: EngineInputError | RequestFailed | EngineDead,
+    fields: Iterable[str] = (),
+    prompt_param: str = "prompt",
 ) -> ApiError:
     """A rejected input is the client's 400; a failure of this request alone a 500; a
-    stopped engine a 503."""
+    stopped engine a 503. `prompt_param`: the request field that holds the prompt the
+    engine refused ("messages", "prompt", "prompt.2")."""
+    if isinstance(exc, ContextLengthExceeded):
+        where = prompt_param.split(".", 1)[0]
+        return ApiError(exc.describe(where), param=where, code="context_length_exceeded")
     if isinstance(exc, EngineInputError):
         message = str(exc) or "The engine rejected the request."
+        if exc.in_prompt:
+            named = f"prompt '{prompt_param}'"
+            message = message.replace("the prompt", f"the {named}")
+            return ApiError(message.replace("The prompt", f"The {named}"), param=prompt_param)
         return ApiError(message, param=param_named(message, fields))
     if isinstance(exc, EngineDead):
         return ApiError(str(exc), 503, "service_unavailable", code="engine_dead")

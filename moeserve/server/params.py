@@ -13,13 +13,14 @@ from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 def sampling_params(
     req: ChatCompletionRequest | CompletionRequest,
-    max_tokens: int,
+    max_tokens: int | None,
     seed: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     skip_special_tokens: bool | None = None,
 ) -> SamplingParams:
-    """The engine's parameters of one choice; a bad combination is a 400 naming its field."""
+    """The engine's parameters of one choice (`max_tokens` None: what the context leaves);
+    a bad combination is a 400 naming its field."""
     optional = {
         "temperature": req.temperature,
         "top_p": req.top_p,

@@ -1,5 +1,5 @@
-"""The prompt side of a request: chat-template rendering, tokenizing, and the token budget
-that the context length leaves for the completion.
+"""The prompt side of a request: chat-template rendering and tokenizing (the engine checks
+what comes out: `ServerState.check_request`).
 
 Rendering and tokenizing a long prompt takes a while: callers run these methods in a worker
 thread, off the event loop.
@@ -27,6 +27,8 @@ logger = logging.getLogger("moeserve.server")
 class Prompt:
     ids: list[int]
     text: str  # the rendered chat, or what `echo` repeats of a completion prompt
+    field: str = "prompt"  # the request field that holds it ("messages", "prompt.1", ...)
+    from_ids: bool = False  # sent as token ids: `text` is decoded once the engine took them
 
 
 def count_prompts(prompt: PromptInput) -> int:
@@ -40,9 +42,8 @@ class PromptBuilder:
     """Turns request prompts into token ids with the engine's tokenizer, refusing what the
     model cannot take with a 400 that names the offending parameter."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
 
     def render_chat(
         self,
@@ -79,8 +80,8 @@ class PromptBuilder:
             raise ApiError(f"The text in '{param}' could not be tokenized: {e}", param=param) from e
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        """Client-sent ids must be decodable; the engine checks them too, but cannot name
-        which prompt of a list is at fault, and `echo` decodes them before it sees them."""
+        """Ids sent to /detokenize must be the tokenizer's (prompts' ids are the engine's to
+        check)."""
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -98,7 +99,9 @@ class PromptBuilder:
             req.chat_template_kwargs,
         )
         # the template wrote the special tokens the model expects
-        return Prompt(self.encode(text, add_special_tokens=False, param="messages"), text)
+        return Prompt(
+            self.encode(text, add_special_tokens=False, param="messages"), text, "messages"
+        )
 
     def completion(self, req: CompletionRequest) -> list[Prompt]:
         p = req.prompt
@@ -113,43 +116,17 @@ class PromptBuilder:
             param = "prompt" if len(items) == 1 else f"prompt.{k}"
             if isinstance(item, str):
                 ids = self.encode(item, add_special_tokens=req.add_special_tokens, param=param)
-                text = item
+                prompts.append(Prompt(ids, item, param))
             else:
-                ids = list(item)
-                self.check_token_ids(ids, param)
-                text = self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
-            if not ids:  # the engine refuses it too, but cannot say which prompt of a list
-                raise ApiError(f"The prompt '{param}' is empty.", param=param)
-            prompts.append(Prompt(ids, text))
+                prompts.append(Prompt(list(item), "", param, from_ids=True))
         return prompts
 
-    def output_budget(self, num_prompt: int, requested: int | None, where: str) -> int:
-        """max_tokens after the context-length check; None asks for the rest of the context.
-
-        The engine checks the context length too, but only the endpoint can name the
-        parameter to shorten (`where`: "messages" or "prompt") and the error code OpenAI
-        clients look for."""
-        limit = self.max_model_len
-        if requested is None:
-            if num_prompt >= limit:
-                raise ApiError(
-                    f"This model's maximum context length is {limit} tokens. However, your "
-                    f"request has {num_prompt} input tokens. Please reduce the length of the "
-                    f"{where}.",
-                    param=where,
-                    code="context_length_exceeded",
-                )
-            return limit - num_prompt
-        if num_prompt + requested > limit:
-            raise ApiError(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {num_prompt + requested} tokens ({num_prompt} in the {where}, "
-                f"{requested} in the completion). Please reduce the length of the {where} "
-                "or completion.",
-                param=where,
-                code="context_length_exceeded",
-            )
-        return requested
+    def decode_echoes(self, prompts: list[Prompt]) -> None:
+        """The text `echo` repeats of prompts sent as token ids (after the engine checked
+        the ids)."""
+        for p in prompts:
+            if p.from_ids:
+                p.text = self.tokenizer.decode(p.ids, skip_special_tokens=False)
 
 
 def _cut_after_final_message(text: str, content: str) -> str:

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moeserve.config import ServerConfig
-from moeserve.server.errors import ApiError
+from moeserve.engine.errors import EngineInputError
+from moeserve.sampling import SamplingParams
+from moeserve.server.errors import ApiError, from_engine
 from moeserve.server.generation import GenerationGroup, QueueCounter, SubRequest
 from moeserve.server.logprobs import LogprobFormatter
 from moeserve.server.metrics import HttpMetrics
@@ -34,7 +36,7 @@ class ServerState:
     logprobs: LogprobFormatter = field(init=False)
 
     def __post_init__(self) -> None:
-        self.prompts = PromptBuilder(self.engine.tokenizer, self.engine.max_model_len)
+        self.prompts = PromptBuilder(self.engine.tokenizer)
         self.logprobs = LogprobFormatter(self.engine.tokenizer)
 
     @property
@@ -74,6 +76,17 @@ class ServerState:
                 f"allows at most {cap} per request (--max-choices-per-request).",
                 param=param,
             )
+
+    def check_request(
+        self, prompt_ids: list[int], params: SamplingParams, fields: Any, prompt_param: str
+    ) -> int:
+        """The engine's checks of one prompt and its parameters, before anything is admitted;
+        returns max_tokens, resolved. A refusal is a 400 naming the request's own field
+        (`fields`: the request model's)."""
+        try:
+            return self.engine.validate(prompt_ids, params)
+        except EngineInputError as e:
+            raise from_engine(e, fields, prompt_param) from e
 
     def group(self, subs: list[SubRequest]) -> GenerationGroup:
         """Admit a request's engine requests (draining, choice cap, queue bound) as a group."""

@@ -18,7 +18,8 @@ from fastapi.testclient import TestClient
 from moeserve.config import ServerConfig
 from moeserve.engine.errors import EngineInputError
 from moeserve.engine.outputs import RequestOutput, TokenLogprob
-from moeserve.sampling import SamplingError, SamplingParams
+from moeserve.engine.request import validate_request
+from moeserve.sampling import SamplingParams
 from moeserve.server.api import create_app
 
 SPECIALS = [
@@ -139,28 +140,21 @@ class FakeEngine:
         said = text.rsplit("SAY:", 1)[1].split("<|end|>", 1)[0]
         return self.tokenizer.encode(said, add_special_tokens=False) + [EOS]
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """What LLMEngine.validate checks against the vocabulary, with its messages: the
-        server leaves these checks to the engine."""
-        vocab = self.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise EngineInputError(f"prompt token ids must be in [0, {vocab}).")
-        try:
-            params.check_vocab(vocab, (EOS,))
-        except SamplingError as e:
-            raise EngineInputError(str(e)) from None
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """The engine's own checks (`validate_request`) against this fake's vocabulary and
+        context: the server leaves them to the engine."""
+        return validate_request(
+            prompt_token_ids, params, self.tokenizer.vocab_size, (EOS,), self.max_model_len
+        )
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        self.validate(prompt_token_ids, params)
+        limit = self.validate(prompt_token_ids, params)
         n = len(prompt_token_ids)
         text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         if "REJECT" in text:
             raise EngineInputError("the fake engine rejects this prompt.")
-        limit = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + limit > self.max_model_len:
-            raise EngineInputError("too long for the fake engine.")
         self.requests.append((request_id, list(prompt_token_ids), params))
         plp = None
         if params.prompt_logprobs is not None:
