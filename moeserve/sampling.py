@@ -254,22 +254,19 @@ class Sampler:
         self.eos_ids = tuple(eos_ids)
         self._rows: dict[str, _Row] = {}
         self._counts: _Counts | None = None
-        # the tokens of the latest `greedy_on_device` step and of the one before it
+        # the tokens of the latest `greedy_on_device` step
         self._device_ids = torch.zeros(1, dtype=torch.int64, device=device)
-        self._device_ids_before = self._device_ids
 
     # ---- greedy tokens kept on the device ----------------------------------------------------
     def greedy_on_device(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax over the allowed vocabulary [B], left on the device (no host
         sync) and kept for `device_tokens`."""
-        self._device_ids_before = self._device_ids
         self._device_ids = logits[:, : self.vocab_limit].argmax(dim=-1)
         return self._device_ids
 
-    def device_tokens(self, before_latest: bool = False) -> torch.Tensor:
-        """The tokens of the latest `greedy_on_device` step, or of the step before it (what a
-        rerun of the latest step was given)."""
-        return self._device_ids_before if before_latest else self._device_ids
+    def device_tokens(self) -> torch.Tensor:
+        """The tokens of the latest `greedy_on_device` step."""
+        return self._device_ids
 
     # ---- per-request state -----------------------------------------------------------------
     def forget(self, request_id: str) -> None:

@@ -102,6 +102,7 @@ class ModelRunner:
         # on every rank: the next step's placeholder ids name the greedy tokens it keeps
         eos_ids = tuple(sorted(set(loaded.config.eos_token_ids)))
         self.sampler = Sampler(self.vocab_limit, eos_ids, self.device)
+        self._fed_tokens = self.sampler.device_tokens()  # the last step's placeholder tokens
         model_len = loaded.config.context_len(config.scheduler.max_model_len)
         self.max_rows = config.scheduler.max_num_seqs
         self.graphs: DecodeGraphs | None = None
@@ -447,8 +448,9 @@ class ModelRunner:
         tokens also stay on the device, in `sampler`, for the next step's placeholder ids."""
         st = self._tensors(step)
         if step.ids and min(step.ids) < 0:  # placeholders: tokens the last step sampled
-            # an eager step reruns the latest one (profiling): it was given the tokens before
-            src = self.sampler.device_tokens(before_latest=step.eager)
+            # an eager step reruns the latest one (profiling) with the tokens it was given
+            src = self._fed_tokens if step.eager else self.sampler.device_tokens()
+            self._fed_tokens = src
             idx = (-st.ids - 1).clamp_(0, src.numel() - 1)
             st.ids.copy_(torch.where(st.ids < 0, src.index_select(0, idx), st.ids))
         g = self.graphs

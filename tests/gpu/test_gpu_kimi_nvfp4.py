@@ -215,5 +215,9 @@ def test_gpu_gluon_mla_decode_serves_in_graphs(tmp_path, monkeypatch):
         if getattr(m, "_decode_scratch", None) is not None
     )
     assert scratch.gluon == "prefer"  # the start-up probe passed
+    # what the banner and `moeserve plan` print is what serves
+    plan = gpu_llm.engine.loaded.kernel_plan
+    assert plan.mla_decode == "gluon-prefer"
+    assert any(ln.strip().startswith("MLA decode") and "Gluon" in ln for ln in plan.lines())
     assert all(scratch.workspace(b, 4096)[0] is mg.mla_decode_gluon for b in (1, 2))
     assert gluon[0] > 0  # the probe's and the captures' calls

@@ -207,3 +207,28 @@ def test_batched_truncation_matches_the_one_row_reference():
     for i in range(5):
         ref = truncated_probs(logits[i], ks[i], tps[i], mps[i])
         assert torch.allclose(got[i] / got[i].sum(), ref, atol=1e-6)
+
+
+def test_sampler_device_greedy_and_logprobs_against_torch():
+    """The Sampler's device greedy path and its scoring of given tokens, against plain torch
+    over the allowed vocabulary (the padded tail of the LM head is never chosen)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, padded = 50, 64
+    sampler = Sampler(vocab_limit=vocab)
+    steps = [torch.randn(3, padded, generator=gen) for _ in range(2)]
+    for s in steps:
+        s[:, vocab:] = 100.0  # padding that must never win
+    first = sampler.greedy_on_device(steps[0])
+    second = sampler.greedy_on_device(steps[1])
+    assert first.tolist() == steps[0][:, :vocab].argmax(-1).tolist()
+    assert second.tolist() == steps[1][:, :vocab].argmax(-1).tolist()
+    assert sampler.device_tokens() is second
+
+    targets = [3, 0, 49]
+    scored = sampler.logprobs_of(steps[0], targets, k=2)
+    ref = torch.log_softmax(steps[0][:, :vocab].double(), dim=-1)
+    for row, (lp, top) in enumerate(scored):
+        assert abs(lp - ref[row, targets[row]].item()) < 1e-5
+        want = ref[row].topk(2)
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert all(abs(v - w) < 1e-5 for (_, v), w in zip(top, want.values.tolist(), strict=True))
