@@ -183,7 +183,8 @@ class Kimi:
     tokens: list[list[int]]  # the reference's greedy tokens
 
 
-def _use_kernels(lm, on: bool | None) -> None:
+def _use_kernels(lm, on: bool) -> None:
+    """The Triton MLA kernels on or off (True: the kernel plan's choice on this GPU)."""
     for layer in lm.model.attention_layers():
         layer.use_kernels = on
 
@@ -225,7 +226,7 @@ def kimi(request, tmp_path_factory):
     ref = _teacher_forced(lm32, tokens)
     _use_kernels(lm, False)
     floor = float((_teacher_forced(lm, tokens) - ref).abs().max())
-    _use_kernels(lm, None)
+    _use_kernels(lm, True)
     print(f"\nkv={request.param}: bf16 torch path vs fp32 reference: {floor:.4f}")
     return Kimi(lm, lm32, floor, tokens)
 
@@ -261,7 +262,7 @@ def test_fused_path_matches_torch_path(kimi):
     try:
         torch_bf16 = agree(_greedy(kimi.lm, STEPS))
     finally:
-        _use_kernels(kimi.lm, None)
+        _use_kernels(kimi.lm, True)
     print(f"  greedy steps equal to the reference: fused {fused}, torch bf16 {torch_bf16}")
     assert fused >= min(torch_bf16, STEPS // 2)
 

@@ -15,6 +15,7 @@ import torch
 
 from moeserve.config import ModelConfig
 from moeserve.layers.quant.parse import quant_config_from_checkpoint
+from moeserve.loader.base import DEFAULT_PLANNING, build_model
 from moeserve.loader.safetensors import checkpoint_files, iterate_tensors
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moeserve.parallel.groups import SINGLE
@@ -30,8 +31,11 @@ def _model(path: str, device: str, dtype: torch.dtype, slots: bool) -> DeepseekV
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
     cfg = dataclasses.replace(ModelConfig.from_hf(raw), shared_experts_as_slots=slots)
-    with torch.device(device):
-        model = DeepseekV3ForCausalLM(cfg, quant_config_from_checkpoint(path, raw), SINGLE, dtype)
+    quant = quant_config_from_checkpoint(path, raw)
+    # built as the loader builds it: the kernel plan of this device handed to the layers
+    model, _ = build_model(
+        DeepseekV3ForCausalLM, cfg, quant, dtype, device, dtype, DEFAULT_PLANNING, SINGLE
+    )
     model.load_weights(iterate_tensors(checkpoint_files(path), progress=False))
     return model.eval()
 
