@@ -7,6 +7,7 @@ checkpoint's description into one `ModelConfig`, once.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, get_args, get_type_hints
@@ -552,6 +553,95 @@ class ParallelConfig(_Settings):
         return self.tensor_parallel_size
 
 
+# ---- speculative decoding --------------------------------------------------------------------
+SPECULATIVE_METHODS = ("ngram", "suffix", "eagle3", "mtp")
+# vLLM's spellings of the same methods, so launch scripts carry over
+_METHOD_ALIASES = {"[ngram]": "ngram", "deepseek_mtp": "mtp", "eagle-3": "eagle3"}
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config '{"method": ..., "num_speculative_tokens": K, ...}'` (vLLM's keys).
+
+    `ngram`: prompt lookup over the request's prompt and output, n-grams of
+    `prompt_lookup_min`..`prompt_lookup_max` tokens. `suffix`: a suffix tree over this request
+    and recently finished ones; the draft ends where the tree's continuation frequency falls
+    below `suffix_decoding_min_token_prob`, and is at most `suffix_decoding_max_spec_factor`
+    times the matched length. `eagle3` / `mtp`: a draft model (`model`: its folder; MTP reads
+    the target checkpoint's own MTP layers). `adaptive`: draft fewer tokens, or none, where the
+    measured verify cost and the request's running acceptance say it does not pay.
+    """
+
+    method: str
+    num_speculative_tokens: int = 3
+    model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    suffix_decoding_max_tree_depth: int = 64
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        method = _METHOD_ALIASES.get(self.method, self.method)
+        object.__setattr__(self, "method", method)
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                "--speculative-config: num_speculative_tokens must be an integer in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ConfigError(
+                "--speculative-config: prompt_lookup_min and prompt_lookup_max must be integers "
+                f"with 1 <= min <= max, got {lo!r} and {hi!r}"
+            )
+        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
+            raise ConfigError(
+                "--speculative-config: suffix_decoding_max_tree_depth must be at least 1 and "
+                "suffix_decoding_max_cached_requests at least 0"
+            )
+        if self.suffix_decoding_max_spec_factor <= 0:
+            raise ConfigError("--speculative-config: suffix_decoding_max_spec_factor must be > 0")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ConfigError(
+                "--speculative-config: suffix_decoding_min_token_prob must be in [0, 1]"
+            )
+        if method == "eagle3" and not self.model:
+            raise ConfigError('--speculative-config: method "eagle3" needs "model": its folder')
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig) -> SpeculativeConfig:
+        """From the flag's JSON text, a dict (Python callers) or an instance."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON ({e.msg})") from None
+        if not isinstance(value, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(
+                f"--speculative-config: unknown key(s) {', '.join(unknown)}; known: "
+                f"{', '.join(sorted(known))}"
+            )
+        if "method" not in value:
+            raise ConfigError('--speculative-config needs "method"')
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig(_Settings):
     """Every engine setting, grouped; `from_settings` builds it from flat keyword arguments."""
@@ -587,6 +677,20 @@ class EngineConfig(_Settings):
         "export it on /metrics",
         minimum=0,
     )
+    speculative_config: SpeculativeConfig | None = setting(
+        None,
+        "speculative decoding, as a JSON object with vLLM's keys: "
+        '{"method": "ngram" | "suffix" | "eagle3" | "mtp", "num_speculative_tokens": K, '
+        '"model": PATH, "prompt_lookup_min": N, "prompt_lookup_max": M}; drafts are verified '
+        "in one step, so greedy output is exactly that of plain decoding and sampled output "
+        "follows the same distribution",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(spec))
 
     def graph_max_batch(self, device: str) -> int:
         """Largest decode batch replayed from a CUDA graph on `device` (0: graphs off)."""
@@ -659,6 +763,11 @@ def _parse(kind: type, f: Any) -> Any:
     name = _flag_name(f)
 
     def parse(s: str) -> Any:
+        if kind is SpeculativeConfig:
+            try:
+                return SpeculativeConfig.parse(s)
+            except ConfigError as e:
+                raise argparse.ArgumentTypeError(str(e).removeprefix(name + ": ")) from None
         try:
             v = kind(s)
         except ValueError:

@@ -170,6 +170,16 @@ class SampleResult:
     errors: dict[int, Exception] = field(default_factory=dict)
 
 
+@dataclass
+class VerifyResult:
+    # per request: the tokens it emits (the accepted draft prefix, then one more), or None
+    # where it failed (see `errors`)
+    tokens: list[list[int] | None]
+    # per request that asked for logprobs: (logprob, top-k) of each emitted token
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
+    errors: dict[int, Exception] = field(default_factory=dict)
+
+
 class RowSamplingError(RuntimeError):
     """Sampling failed for one request (not caused by its parameters)."""
 
@@ -398,6 +408,193 @@ class Sampler:
                     logprobs[j] = lps[k]
         return SampleResult(token_ids, logprobs, errors)
 
+    # ---- speculative decoding ----------------------------------------------------------------
+    def verify(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        request_ids: list[str],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        drafts: list[list[int]],
+        eos_ids: tuple[int, ...] | None = None,
+    ) -> VerifyResult:
+        """Accept or reject each request's draft against the target's logits.
+
+        Request j owns len(drafts[j]) + 1 consecutive rows of `logits`: row i is the target's
+        distribution after the sequence and the draft's first i tokens, processed exactly as
+        `__call__` processes a row whose history holds those tokens (penalties, bias,
+        min_tokens, temperature, truncation). Greedy: the draft's longest prefix equal to the
+        rows' argmax, then the argmax after it. Sampled: draft token d at row i is accepted
+        with probability p_i(d); at the first rejection the token is drawn from p_i with d
+        removed (renormalised), and after a fully accepted draft from the last row. With a
+        draft that is one fixed guess (a point mass), this is the rejection rule of
+        speculative sampling and every emitted token follows the target's distribution.
+        Seeded requests draw from their own generator, so they repeat.
+        """
+        eos = self.eos_ids if eos_ids is None else tuple(eos_ids)
+        n = len(params)
+        errors: dict[int, Exception] = {}
+        tokens: list[list[int] | None] = [None] * n
+        logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] = [None] * n
+        starts, at = [], 0
+        for d in drafts:
+            starts.append(at)
+            at += len(d) + 1
+        states: dict[int, _Row] = {}
+        for j in range(n):
+            try:
+                states[j] = self._row(
+                    request_ids[j], params[j], prompt_ids[j], output_ids[j], logits, eos
+                )
+            except Exception as e:
+                if is_device_error(e):
+                    raise
+                errors[j] = e
+        ok = sorted(states)
+        if not ok:
+            return VerifyResult(tokens, logprobs, errors)
+        # one virtual row per (request, draft position)
+        src, vrows, owner, pos, out_lens, extra = [], [], [], [], [], []
+        for j in ok:
+            for i in range(len(drafts[j]) + 1):
+                src.append(starts[j] + i)
+                vrows.append(states[j])
+                owner.append(j)
+                pos.append(i)
+                out_lens.append(len(output_ids[j]) + i)
+                extra.append(drafts[j][:i])
+        dev = logits.device
+        x = logits[torch.tensor(src, dtype=torch.long, device=dev)].float()
+        limit = self.vocab_limit
+        if limit is not None and limit < x.shape[1]:
+            x[:, limit:] = float("-inf")
+        want = [params[j].logprobs is not None for j in owner]
+        raw_lp = torch.log_softmax(x, dim=-1) if any(want) else None
+        pen = [v for v, r in enumerate(vrows) if r.slot >= 0]
+        if pen:
+            self._apply_penalties(x, pen, vrows, extra)
+        self._apply_bias(x, vrows)
+        self._apply_min_tokens(x, vrows, out_lens)
+        x = torch.nan_to_num(x, nan=float("-inf"))
+        dead = ~(x > float("-inf")).any(dim=-1)
+        greedy = [r.params.greedy for r in vrows]
+        guess = [
+            drafts[j][i] if i < len(drafts[j]) else -1 for j, i in zip(owner, pos, strict=True)
+        ]
+        target = x.argmax(dim=-1)
+        if all(greedy):
+            accept = target == torch.tensor(guess, device=dev)
+            drawn = target
+        else:
+            accept, drawn = self._verify_draws(x, vrows, greedy, guess, target)
+        host = torch.stack([accept.long(), drawn, dead.long()]).tolist()
+        emitted_rows: dict[int, list[int]] = {}
+        v = 0
+        for j in ok:
+            k = len(drafts[j])
+            got: list[int] | None = []
+            used: list[int] = []
+            for i in range(k + 1):
+                u = v + i
+                if host[2][u]:
+                    errors[j] = RowSamplingError(
+                        "no token can be sampled: every logit is masked or not finite"
+                    )
+                    got = None
+                    break
+                used.append(u)
+                if i < k and host[0][u]:
+                    got.append(drafts[j][i])
+                    continue
+                got.append(int(host[1][u]))
+                break
+            v += k + 1
+            tokens[j] = got
+            if got:
+                emitted_rows[j] = used
+        if raw_lp is not None:
+            self._verify_logprobs(raw_lp, params, tokens, emitted_rows, logprobs)
+        return VerifyResult(tokens, logprobs, errors)
+
+    def _verify_draws(
+        self,
+        x: torch.Tensor,
+        rows: list[_Row],
+        greedy: list[bool],
+        guess: list[int],
+        target: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per virtual row: whether its draft token is accepted, and the token drawn where
+        it is not (from the distribution with the draft token removed; from the whole
+        distribution at a request's last row)."""
+        dev = x.device
+        ps = [r.params for r in rows]
+        temp = torch.tensor(
+            [1.0 if g else p.temperature for p, g in zip(ps, greedy, strict=True)],
+            dtype=torch.float32,
+        ).to(dev)
+        big = torch.finfo(torch.float32).max
+        scaled = torch.nan_to_num(x / temp[:, None], nan=float("-inf"), posinf=big)
+        probs = truncate(
+            torch.softmax(scaled, dim=-1),
+            [p.top_k for p in ps],
+            [p.top_p for p in ps],
+            [p.min_p for p in ps],
+        )
+        probs = probs / probs.sum(dim=-1, keepdim=True).clamp_(min=_TINY)
+        has_guess = torch.tensor([g >= 0 for g in guess], device=dev)
+        g = torch.tensor([max(0, t) for t in guess], dtype=torch.long, device=dev)
+        p_guess = probs.gather(1, g[:, None]).squeeze(1)
+        uniform = torch.rand(len(rows), device=dev)
+        noise = torch.empty_like(probs).exponential_()
+        for v, r in enumerate(rows):
+            if r.generator is not None and not greedy[v]:
+                uniform[v] = torch.rand(1, device=dev, generator=r.generator)[0]
+                noise[v].exponential_(generator=r.generator)
+        residual = probs.scatter(1, g[:, None], torch.where(has_guess, 0.0, p_guess)[:, None])
+        drawn = (residual / noise.clamp_(min=_TINY)).nan_to_num_(nan=0.0).argmax(dim=-1)
+        is_greedy = torch.tensor(greedy, device=dev)
+        accept = torch.where(is_greedy, target == g, uniform < p_guess) & has_guess
+        return accept, torch.where(is_greedy, target, drawn)
+
+    @staticmethod
+    def _verify_logprobs(
+        raw: torch.Tensor,
+        params: list[SamplingParams],
+        tokens: list[list[int] | None],
+        emitted_rows: dict[int, list[int]],
+        out: list[list[tuple[float, list[tuple[int, float]]]] | None],
+    ) -> None:
+        """Each emitted token's logprob under its row's raw distribution, and the row's
+        top-k, for the requests that asked."""
+        asked = [
+            j
+            for j, p in enumerate(params)
+            if p.logprobs is not None and tokens[j] is not None and j in emitted_rows
+        ]
+        if not asked:
+            return
+        dev = raw.device
+        vs = [v for j in asked for v in emitted_rows[j]]
+        ts = [t for j in asked for t in tokens[j]]  # type: ignore[union-attr]
+        sub = raw[torch.tensor(vs, dtype=torch.long, device=dev)]
+        picked = sub.gather(1, torch.tensor(ts, device=dev)[:, None]).squeeze(1).tolist()
+        k = max(params[j].logprobs or 0 for j in asked)
+        tv: list[list[float]] = [[] for _ in vs]
+        ti: list[list[int]] = [[] for _ in vs]
+        if k:
+            val, ix = sub.topk(k, dim=-1)
+            tv, ti = val.tolist(), ix.tolist()
+        at = 0
+        for j in asked:
+            kk = params[j].logprobs or 0
+            entries = []
+            for _ in emitted_rows[j]:
+                entries.append((picked[at], list(zip(ti[at][:kk], tv[at][:kk], strict=True))))
+                at += 1
+            out[j] = entries
+
     def _sample(
         self, logits: torch.Tensor, rows: list[_Row], out_lens: list[int]
     ) -> tuple[list[int | None], list[tuple[float, list[tuple[int, float]]] | None]]:
@@ -434,15 +631,30 @@ class Sampler:
             lps = self._logprobs(raw_lp, ids, ps, chosen)
         return chosen, lps
 
-    def _apply_penalties(self, x: torch.Tensor, pen: list[int], rows: list[_Row]) -> None:
+    def _apply_penalties(
+        self,
+        x: torch.Tensor,
+        pen: list[int],
+        rows: list[_Row],
+        extra: list[list[int]] | None = None,
+    ) -> None:
         """Repetition penalty over prompt and output tokens (HF / vLLM convention); presence
-        and frequency penalties over output tokens only. Batched over the penalised rows."""
+        and frequency penalties over output tokens only. Batched over the penalised rows.
+        `extra[i]`: tokens row i's history holds beyond the request's output (the draft
+        tokens before a verified position)."""
         counts = self._counts
         assert counts is not None
         dev = x.device
         slots = torch.tensor([rows[i].slot for i in pen], dtype=torch.long).to(dev)
         idx = torch.tensor(pen, dtype=torch.long).to(dev)
         gen = counts.generated.index_select(0, slots)  # [k, V] int32
+        if extra is not None:
+            which = [n for n, i in enumerate(pen) for _ in extra[i]]
+            if which:
+                toks = [t for i in pen for t in extra[i]]
+                at = torch.tensor([which, toks], dtype=torch.long).to(dev)
+                ones = torch.ones(len(toks), dtype=torch.int32, device=dev)
+                gen.index_put_((at[0], at[1]), ones, accumulate=True)
         seen = counts.in_prompt.index_select(0, slots) | (gen > 0)
         ps = [rows[i].params for i in pen]
         rep = torch.tensor([p.repetition_penalty for p in ps], dtype=torch.float32).to(dev)

@@ -27,6 +27,8 @@ from moeserve.engine.scheduler import ScheduledBatch, Scheduler
 from moeserve.engine.step import RowAllocator, StepInput
 from moeserve.engine.worker import build_executor
 from moeserve.sampling import SamplingParams, is_device_error
+from moeserve.spec import make_proposer
+from moeserve.spec.policy import DraftPolicy
 
 # CPU default of --long-prefill-token-threshold: requests behind a long prompt wait for one
 # chunk of it, not all of it. Measured on 2 cores (SmolLM2, 4k-token prompt): 1,024-token
@@ -54,6 +56,8 @@ class _StepPlan:
 
     sample: dict[int, int] = field(default_factory=dict)
     prompt: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # i -> (row, start, n)
+    # i -> its draft (verified on rows sample[i] .. sample[i] + len(draft))
+    verify: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,8 +102,16 @@ class LLMEngine:
         # requests that failed alone in the last steps: (request id, error); the caller takes
         # them (`take_failures`) and fails those requests' streams
         self.failures: list[tuple[str, Exception]] = []
+        spec = config.speculative_config
+        self.proposer = make_proposer(spec) if spec is not None else None
+        self.policy = (
+            DraftPolicy(spec.num_speculative_tokens, spec.adaptive) if spec is not None else None
+        )
         overlap = config.overlap_schedule
-        self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        # steps that verify drafts need their tokens on the host before the next step
+        self.overlap = (
+            self.runner.device.type == "cuda" if overlap is None else overlap
+        ) and self.proposer is None
         self._inflight: _Inflight | None = None
         # two buffers: a step's tokens land in one while the host still reads the other's
         self._host_ids = torch.empty(
@@ -134,6 +146,8 @@ class LLMEngine:
             req, IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params)
         )
         self.metrics.on_arrival(len(prompt_ids))
+        if self.proposer is not None:
+            self.proposer.start(request_id, req.prompt_ids)
         self.scheduler.add(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -152,6 +166,81 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
         self.rows.release(request_id)
+        if self.proposer is not None and self.policy is not None:
+            self.proposer.finish(request_id)
+            self.policy.forget(request_id)
+
+    # ---- speculative decoding ------------------------------------------------------------------
+    def _propose(self) -> None:
+        """Drafts for the running requests that decode next step, as long as the policy
+        finds worth verifying and as their max_tokens and the context leave room for."""
+        assert self.proposer is not None and self.policy is not None
+        running = self.scheduler.running
+        decoding = [r for r in running if r.num_to_compute == 1 and not r.pending]
+        for req in decoding:
+            room = min(
+                req.max_tokens - len(req.output_ids) - 1,
+                self.max_model_len - req.num_tokens - 1,
+            )
+            k = self.policy.length(req.request_id, len(running), room)
+            req.draft = self.proposer.propose(req.request_id, k)[:k] if k > 0 else []
+
+    def _verify(
+        self,
+        batch: ScheduledBatch,
+        plan: _StepPlan,
+        logits: torch.Tensor | None,
+        failed: dict[int, Exception],
+    ) -> tuple[dict[int, list[int]], dict[int, list[TokenLogprob]]]:
+        """Accept or reject the step's drafts (`Sampler.verify`): per batch index, the tokens
+        it emits and, if asked, their logprobs. Rows that fail alone go to `failed`."""
+        if not plan.verify or logits is None:
+            return {}, {}
+        idx = list(plan.verify)
+        reqs = [batch.requests[i] for i in idx]
+        rows = [
+            r for i in idx for r in range(plan.sample[i], plan.sample[i] + len(plan.verify[i]) + 1)
+        ]
+        res = self.sampler.verify(
+            logits[rows],
+            [r.params for r in reqs],
+            [r.request_id for r in reqs],
+            [r.prompt_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            [plan.verify[i] for i in idx],
+        )
+        tokens: dict[int, list[int]] = {}
+        lps: dict[int, list[TokenLogprob]] = {}
+        for j, i in enumerate(idx):
+            got = res.tokens[j]
+            if j in res.errors or not got:
+                failed[i] = res.errors.get(j) or RuntimeError("sampling failed")
+                continue
+            tokens[i] = got
+            entries = res.logprobs[j]
+            if entries is not None:
+                lps[i] = [
+                    TokenLogprob(t, lp, top) for t, (lp, top) in zip(got, entries, strict=True)
+                ]
+            drafted, accepted = len(plan.verify[i]), len(got) - 1
+            self.metrics.spec.on_verify(drafted, accepted)
+            assert self.policy is not None
+            self.policy.observe(reqs[j].request_id, drafted, accepted)
+        return tokens, lps
+
+    def _settle_drafts(
+        self, batch: ScheduledBatch, plan: _StepPlan, emitted: dict[int, list[int]]
+    ) -> None:
+        """After the step: each verifying request keeps the KV rows of its accepted tokens
+        only, and its draft is spent."""
+        for i, draft in plan.verify.items():
+            req = batch.requests[i]
+            req.draft = []
+            got = emitted.get(i)
+            rejected = len(draft) + 1 - len(got) if got else len(draft)
+            if rejected:
+                self.scheduler.rollback(req, rejected)
+                self.rows.truncate(req.request_id, len(req.pages))
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -162,22 +251,38 @@ class LLMEngine:
     ) -> tuple[StepInput, _StepPlan]:
         """The step's inputs, single-token sequences first (the attention backends' order),
         and where each sequence's logits rows are. Host work grows with the step's new
-        tokens and pages, not with the sequences' lengths."""
+        tokens and pages, not with the sequences' lengths.
+
+        A request verifying a draft of k tokens enters as k + 1 one-token rows that share its
+        page-table row, row j seeing the cache up to its own position: the decode kernels
+        (and CUDA graphs) compute them, causal among themselves, exactly as decoding them
+        one per step would."""
         step = StepInput([], [], [], [], [])
         plan = _StepPlan()
-        order = [i for i, n in enumerate(batch.num_tokens) if n == 1]
-        order += [i for i, n in enumerate(batch.num_tokens) if n != 1]
+        reqs, counts = batch.requests, batch.num_tokens
+        order = [i for i, n in enumerate(counts) if n == 1]
+        order += [i for i, n in enumerate(counts) if n != 1 and reqs[i].draft]
+        order += [i for i, n in enumerate(counts) if n != 1 and not reqs[i].draft]
         for i in order:
-            req, n = batch.requests[i], batch.num_tokens[i]
+            req, n = reqs[i], counts[i]
             start = req.num_computed
             t0 = len(step.ids)
             known = req.token_slice(start, min(start + n, req.num_tokens))
             step.ids.extend(known)
-            if len(known) < n:  # its last token is still on the GPU: a placeholder
-                step.ids.append(-1 - prev.slot_of[req.request_id])
-            step.positions.extend(range(start, start + n))
             row = self.rows.row(req.request_id)
             self.rows.updates(row, req.pages, step.page_updates)
+            step.positions.extend(range(start, start + n))
+            if req.draft:  # the last token, then the draft to verify, one row each
+                step.ids.extend(req.draft)
+                step.rows.extend([row] * n)
+                step.seq_lens.extend(range(start + 1, start + n + 1))
+                step.query_lens.extend([1] * n)
+                plan.sample[i] = len(step.logit_rows)
+                plan.verify[i] = list(req.draft)
+                step.logit_rows.extend(range(t0, t0 + n))
+                continue
+            if len(known) < n:  # its last token is still on the GPU: a placeholder
+                step.ids.append(-1 - prev.slot_of[req.request_id])
             step.rows.append(row)
             step.seq_lens.append(start + n)
             step.query_lens.append(n)
@@ -195,6 +300,8 @@ class LLMEngine:
         t_entry = time.perf_counter()
         outputs: list[RequestOutput] = []
         prev, self._inflight = self._inflight, None
+        if self.proposer is not None:
+            self._propose()
         # max_tokens == 0 (prompt logprobs only) still needs its prefill; others finish here
         batch = self.scheduler.schedule()
         for req in batch.preempted:
@@ -205,9 +312,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         step, plan = self._build_step(batch, prev)
         step.greedy = self.overlap and self._overlappable(batch)
-        t_exec = time.perf_counter()
+        t_exec_start = time.perf_counter()
         logits = self.executor.execute(step)
-        t_exec = time.perf_counter() - t_exec
+        t_exec = time.perf_counter() - t_exec_start
         if step.greedy:  # step N+1 is queued: now the host handles step N's outputs
             self._inflight = self._launch_copy(batch, plan, t0)
             if prev is not None:
@@ -219,8 +326,14 @@ class LLMEngine:
             outputs = self._complete(prev)
         failed: dict[int, Exception] = {}
         tokens, lps = self._sample(batch, plan, logits, failed)
+        emitted, emitted_lps = self._verify(batch, plan, logits, failed)
         prompt_lps = self._prompt_logprobs(batch, plan, logits, failed)
+        if self.policy is not None and all(
+            n == 1 + len(plan.verify.get(i, ())) for i, n in enumerate(batch.num_tokens)
+        ):  # a decode / verify step: its time is what drafting costs
+            self.policy.observe_step(sum(batch.num_tokens), time.perf_counter() - t_exec_start)
         self.scheduler.after_step(batch)
+        self._settle_drafts(batch, plan, emitted)
         self.metrics.on_step(time.perf_counter() - t0, sum(batch.num_tokens))
         for i, req in enumerate(batch.requests):
             live = self.live.get(req.request_id)
@@ -229,7 +342,12 @@ class LLMEngine:
             if i in failed:
                 self._fail(live, failed[i])
                 continue
-            out = self._own_work(live, self._emit, live, i, tokens, lps, prompt_lps)
+            if i in emitted:
+                out = self._own_work(
+                    live, self._append_tokens, live, emitted[i], emitted_lps.get(i)
+                )
+            else:
+                out = self._own_work(live, self._emit, live, i, tokens, lps, prompt_lps)
             if out is not None:
                 outputs.append(out)
         if self.profiler is not None and self.profiler.active and step.is_decode_only:
@@ -425,26 +543,43 @@ class LLMEngine:
         return entries
 
     def _append_token(self, live: _Live, token: int, lp: TokenLogprob | None) -> RequestOutput:
+        return self._append_tokens(live, [token], [lp] if lp is not None else None)
+
+    def _append_tokens(
+        self, live: _Live, tokens: list[int], lps: list[TokenLogprob] | None
+    ) -> RequestOutput:
+        """Append a step's tokens to the request in order, as decoding them one by one
+        would: the first stop (EOS, stop id, stop string, max_tokens, the context) ends the
+        request there and the tokens after it are dropped."""
         req = live.req
-        req.output_ids.append(token)
-        self.metrics.on_token()
-        if lp is not None:
-            live.pending_logprobs.append(lp)
         p = req.params
-        stop_token = (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
-        if len(req.output_ids) <= p.min_tokens:
-            stop_token = False
-        text, stop_str = live.detok.add(token, final=stop_token)
-        if stop_str is not None:
-            req.finish("stop", stop_str)
-        elif stop_token:
-            req.finish("stop", None if token in self.eos_ids and not p.ignore_eos else token)
-        elif len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            req.finish("length")
-            text += live.detok.flush()
+        text = ""
+        appended: list[int] = []
+        for n, token in enumerate(tokens):
+            req.output_ids.append(token)
+            appended.append(token)
+            self.metrics.on_token()
+            if lps is not None:
+                live.pending_logprobs.append(lps[n])
+            stop_token = (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
+            if len(req.output_ids) <= p.min_tokens:
+                stop_token = False
+            piece, stop_str = live.detok.add(token, final=stop_token)
+            text += piece
+            if stop_str is not None:
+                req.finish("stop", stop_str)
+            elif stop_token:
+                req.finish("stop", None if token in self.eos_ids and not p.ignore_eos else token)
+            elif len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                req.finish("length")
+                text += live.detok.flush()
+            if req.finished:
+                break
+        if self.proposer is not None:  # before `_finish`: a finished output feeds the suffix cache
+            self.proposer.extend(req.request_id, appended)
         if req.finished:
-            return self._finish(live, text, [token])
-        return self._output(live, text, [token], finished=False)
+            return self._finish(live, text, appended)
+        return self._output(live, text, appended, finished=False)
 
     def _finish(self, live: _Live, text: str, tokens: list[int]) -> RequestOutput:
         req = live.req

@@ -9,6 +9,30 @@ from moeserve.engine.kv_blocks import PrefixCacheStats
 
 
 @dataclass
+class SpecStats:
+    """Speculative decoding counters (vLLM's definitions: the mean acceptance length is
+    1 + accepted_tokens / drafts)."""
+
+    drafts: int = 0  # sequence-steps that verified at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def on_verify(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position += [0] * (drafted - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+
+@dataclass
 class EngineMetrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -18,6 +42,7 @@ class EngineMetrics:
     step_seconds: float = 0.0
     batched_tokens: int = 0
     finished: Counter = field(default_factory=Counter)
+    spec: SpecStats = field(default_factory=SpecStats)
 
     def on_arrival(self, prompt_tokens: int) -> None:
         self.requests += 1
@@ -100,4 +125,26 @@ class EngineMetrics:
             "Tokens computed in model steps.",
             self.batched_tokens,
         )
+        self._render_spec(lines)
         return "\n".join(lines) + "\n"
+
+    def _render_spec(self, lines: list[str]) -> None:
+        """The speculative decoding counters under moeserve's names and vLLM's, so existing
+        dashboards read them."""
+        spec = self.spec
+        if not spec.drafts:
+            return
+        counters = (
+            ("num_drafts", "Sequence-steps that verified draft tokens.", spec.drafts),
+            ("num_draft_tokens", "Draft tokens proposed and verified.", spec.draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted.", spec.accepted_tokens),
+        )
+        for prefix in ("moeserve_", "vllm:"):
+            for name, help_, value in counters:
+                full = f"{prefix}spec_decode_{name}_total"
+                lines += [f"# HELP {full} {help_}", f"# TYPE {full} counter", f"{full} {value}"]
+            full = f"{prefix}spec_decode_num_accepted_tokens_per_pos_total"
+            lines += [f"# HELP {full} Draft tokens accepted, by position in the draft."]
+            lines += [f"# TYPE {full} counter"]
+            for pos, value in enumerate(spec.accepted_per_position):
+                lines.append(f'{full}{{position="{pos}"}} {value}')

@@ -32,6 +32,9 @@ class Request:
     # tokens sampled on the device but not yet seen by the host (overlap scheduling: the next
     # step reads them where they are); counted by the scheduler as tokens to compute
     pending: int = 0
+    # speculative decoding: tokens proposed to follow the sequence, verified by the next step
+    # (not part of the sequence; only the tokens the target accepts join `output_ids`)
+    draft: list[int] = field(default_factory=list)
     # prefix-cache hashing progress: full pages hashed so far and the last one's hash
     hashed_pages: int = 0
     last_hash: bytes | None = None

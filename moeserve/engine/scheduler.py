@@ -30,9 +30,10 @@ class ScheduledBatch:
         return not self.requests
 
     def samples(self, i: int) -> bool:
-        """Whether request i reaches the end of its known tokens this step (so it samples)."""
+        """Whether request i reaches the end of its known tokens (and of its draft) this
+        step, so it samples."""
         r = self.requests[i]
-        return r.num_computed + self.num_tokens[i] == r.num_tokens + r.pending
+        return r.num_computed + self.num_tokens[i] == r.num_tokens + r.pending + len(r.draft)
 
 
 class Scheduler:
@@ -66,6 +67,10 @@ class Scheduler:
             req = self.running[i]
             n = self._chunk(req, budget)
             while not self._grow(req, n):
+                if req.draft:  # pages are short: verify no draft before preempting anyone
+                    req.draft = []
+                    n = 1
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is req:
@@ -97,7 +102,14 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens `req` computes this step: all it has, within the budget and the
-        long-prefill threshold (decode steps, one token, are never cut)."""
+        long-prefill threshold (decode steps, one token, are never cut). A decoding request
+        verifies its draft beside its last token; the draft is cut to fit the budget."""
+        if req.draft:
+            if req.num_to_compute != 1:  # drafts only follow a decoding sequence
+                req.draft = []
+            else:
+                req.draft = req.draft[: max(0, budget - 1)]
+                return 1 + len(req.draft)
         n = min(req.num_to_compute, budget)
         limit = self.cfg.long_prefill_token_threshold
         return min(n, limit) if limit else n
@@ -130,9 +142,21 @@ class Scheduler:
         req.num_cached_tokens = 0
         req.hashed_pages, req.last_hash = 0, None
         req.num_preemptions += 1
+        req.draft = []
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         batch.preempted.append(req)
+
+    def rollback(self, req: Request, rejected: int) -> None:
+        """Forget the KV rows of `rejected` draft tokens the last step computed for `req` and
+        free the pages only they used. Their cache entries are overwritten when the sequence
+        reaches those positions again; no hash was ever recorded for them (`after_step`
+        hashes known tokens only)."""
+        req.num_computed -= rejected
+        keep = self.alloc.pages_for(req.num_computed)
+        if len(req.pages) > keep:
+            self.alloc.release(req.pages[keep:])
+            del req.pages[keep:]
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance computed counts and publish newly full pages to the prefix cache (each

@@ -123,9 +123,17 @@ class RowAllocator:
             self.sent.pop(r, None)
             self.free.append(r)
 
+    def truncate(self, request_id: str, num_pages: int) -> None:
+        """The sequence gave back its pages past `num_pages` (rejected draft tokens): the
+        next pages it takes are sent from that column on."""
+        r = self.row_of.get(request_id)
+        if r is not None and self.sent[r] > num_pages:
+            self.sent[r] = num_pages
+
     def updates(self, row: int, pages: list[int], out: list[int]) -> None:
         """Append to `out` the record of the pages of `row` the ranks do not hold yet. A row's
-        pages only grow while it is assigned (a preempted sequence releases its row)."""
+        pages only grow while it is assigned, except where rejected draft tokens gave pages
+        back (`truncate`); a preempted sequence releases its row."""
         have = self.sent[row]
         if len(pages) > have:
             new = pages[have:]

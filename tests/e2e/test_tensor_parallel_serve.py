@@ -93,6 +93,33 @@ def test_tp2_serve_matches_single_process(cli_server, checkpoints, case, ep):
     assert "2 ranks" in out and ("expert parallel" in out) == bool(extra), out[-2000:]
 
 
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
+def test_tp2_speculative_decoding_matches_single_process(cli_server, checkpoints, ep):
+    """Rank 0 verifies the drafts; the other ranks compute the draft rows the step carries
+    and roll back nothing themselves (rejected positions are overwritten later). Each prompt
+    is sent twice: the second time the suffix cache drafts from the first answer."""
+    path, want = checkpoints["kimi-nvfp4"]
+    prompts = PROMPTS + PROMPTS
+    ref = LLM(path, device="cpu", dtype="float32", max_model_len=256)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    want = [
+        _text(ref.tokenizer.decode(c.token_ids, skip_special_tokens=False))
+        for c in ref.generate(prompts, params)
+    ]
+    spec = '{"method": "suffix", "num_speculative_tokens": 3, "adaptive": false}'
+    extra = ["--enable-expert-parallel"] if ep else []
+    server = cli_server(
+        path, "-tp", "2", *extra, "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "256", "--threads", "1", "--speculative-config", spec,
+    )  # fmt: skip
+    got = [_text(greedy_choice(server.base_url, p, MAX_TOKENS)["text"]) for p in prompts]
+    assert got == want
+    metrics = httpx.get(server.base_url + "/metrics").text
+    drafted = [ln for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode_num_drafts")]
+    assert drafted and int(drafted[0].split()[-1]) > 0, metrics[-1500:]
+    server.close()
+
+
 def test_a_dying_rank_stops_the_server_with_one_line(cli_server, checkpoints):
     path, _ = checkpoints["kimi-nvfp4"]
     server = cli_server(path, "-tp", "2", "--device", "cpu", "--dtype", "float32",
