@@ -5,6 +5,8 @@ Run on the GPU machine from the repository root:
   PYTHONPATH=$PWD python benchmarks/decode_layer.py --out benchmarks/results [--commit SHA]
   ... --parallel tp2-ep,tp2,tp1   (Kimi on 2+ GPUs: decode_layer_parallel.{json,md}, each
       engine in its own process, with the projection to 61 layers on 8 GPUs)
+  ... --rank tp8-ep   (one GPU: rank 0's share of an 8-GPU TP + EP deployment, see below;
+      decode_layer_rank.{json,md}; also tp8, tp4-ep, ...; --only / --deepseek pick configs)
 
 Method. For each published config (benchmarks/configs/), the engine is built with
 `--load-format dummy --num-layers L` for L = d+1 and d+5 (the first d layers are dense, the others
@@ -18,6 +20,27 @@ touches, E * (1 - (1 - k/E)^B) of them (uniform routing: the dummy router is ran
 Peer: HF transformers' DeepseekV3ForCausalLM (bf16 weights, experts unquantized: HF has no
 NVFP4 path) at 2 and 3 layers, one decode step per forward with its KV cache; its slope is
 one MoE layer. Load time per layer is reported too (dummy weights generated on the GPU).
+
+Rank simulation (`--rank tpN[-ep]`). The same two engines and slopes, built with
+`--simulate-rank tpN[-ep]` (moeserve/parallel/simulated.py): one GPU holds exactly rank 0's
+share of the layout (heads / N, dense and shared-expert intermediate / N, vocabulary / N,
+and E / N whole experts with EP) and runs no collective. With EP the routed experts receive
+the busiest rank's expected load under uniform routing (slots and distinct experts, the
+rule and its figures in simulated.py's docstring); the table shows the expectation and the
+mean over the measured layers. The fused all-reduce + add + RMSNorm is replaced by a local
+add + RMSNorm inside the profiler's all-reduce scope; its slope is taken out of the kernel
+slope and the all-reduce is added back analytically (`allreduce_us`): per call, the fused
+one-shot all-reduce measured on 2 H200s (4.70 / 5.12 / 7.34 us at 1 / 8 / 64 tokens,
+benchmarks/results/allreduce.md), and for N GPUs an estimate, stated, not measured: 8 us at
+one token on 8 GPUs (a one-shot all-reduce reads 7 peers instead of 1; 4 GPUs interpolated)
+plus N - 1 times the 2-GPU growth with tokens (each rank pushes its partial to N - 1 peers
+over the same NVLink bandwidth). Projection per decode step of a model of n layers:
+  step = n x (rank MoE layer kernel time + 2 all-reduces) + non-layer part + 1 all-reduce
+where the non-layer part is the kernel-time line's value at 0 layers without the stand-ins
+(embedding, final norm, LM head, sampler), the extra all-reduce is the embedding's, and
+the dense layers count as MoE layers (an upper bound: Kimi has 1, DeepSeek-V3 3). The LM
+head's all-gather of logits runs as a local copy and is not modelled. Reported GPU-bound and
+with the measured GPU idle per step (host gaps) added.
 """
 
 from __future__ import annotations
@@ -50,6 +73,10 @@ HBM_BYTES_PER_S = 4.3e12
 # shared/PERF.md) and, for DeepSeek FP8, before the fused block-FP8 MoE (the eager per-expert loop)
 BEFORE_MS_PER_LAYER = {"kimi-k2.5-nvfp4": 0.345, "deepseek-v3-fp8": 6.0}
 TARGET_MS = 0.20
+# fused one-shot all-reduce + residual add + RMSNorm per call on 2 H200s, lamport protocol, by
+# tokens (benchmarks/results/allreduce.md); the 8-GPU one-token figure is an estimate
+ALLREDUCE_2GPU_US = {1: 4.70, 8: 5.12, 64: 7.34}
+ALLREDUCE_8GPU_US_ONE_TOKEN = 8.0
 
 
 def _engine(path: Path, layers: int, profile_steps: int, tp: int = 1, ep: bool = False, **settings):
@@ -152,13 +179,43 @@ def _moe_layer_bytes(engine, batch: int) -> tuple[int, float]:
     rest, expert_bytes, e = _layer_byte_parts(engine)
     cfg = engine.loaded.config
     touched = e * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
+    sim = _simulated_routings(engine)
+    if sim:  # a simulated EP rank: the busiest rank's expected distinct experts
+        touched = sim[0].expected(batch).distinct
     return int(rest + touched * expert_bytes), touched
 
 
-def _first_dense(path: Path) -> int:
+def _simulated_routings(engine) -> list:
+    """The routing overrides of a simulated expert-parallel rank's MoE layers, in order
+    (empty otherwise)."""
+    layers = engine.runner.model.model.layers
+    return [r for lay in layers if (r := getattr(lay.mlp, "simulated_routing", None))]
+
+
+def _routing_rows(engine) -> dict:
+    """Per batch: the busiest rank's expected slots and distinct experts, a rank's mean
+    slots, and each MoE layer's (slots, distinct) as the simulation routes them."""
+    sims = _simulated_routings(engine)
+    out = {}
+    for b in BATCHES:
+        e = sims[0].expected(b)
+        out[str(b)] = {
+            "expected_slots": e.slots,
+            "expected_distinct": e.distinct,
+            "mean_slots": e.mean_slots,
+            "layers": [list(r.counts(b)) for r in sims],
+        }
+    return out
+
+
+def _text_config(path: Path) -> dict:
     with open(path / "config.json") as f:
         raw = json.load(f)
-    return int(raw.get("text_config", raw).get("first_k_dense_replace", 0))
+    return raw.get("text_config", raw)
+
+
+def _first_dense(path: Path) -> int:
+    return int(_text_config(path).get("first_k_dense_replace", 0))
 
 
 def layer_counts(path: Path) -> tuple[int, int]:
@@ -181,7 +238,7 @@ def bench_engine(
         "graphs": engine.runner.graph_status,
         "batches": {},
     }
-    if layers == layer_counts(path)[0] and tp == 1:
+    if layers == layer_counts(path)[0] and tp == 1 and "simulate_rank" not in settings:
         row["host_profile"] = _host_profile(engine)
         print(row["host_profile"], flush=True)
     for b in BATCHES:
@@ -191,6 +248,8 @@ def bench_engine(
         print(prof["table"], flush=True)
     row["moe_layer_bytes"] = {str(b): _moe_layer_bytes(engine, b) for b in BATCHES}
     row["bytes_parts"] = _layer_byte_parts(engine)[:2]  # (rest, one expert)
+    if _simulated_routings(engine):
+        row["routing"] = _routing_rows(engine)
     engine.shutdown()
     del engine
     gc.collect()
@@ -366,11 +425,11 @@ def write_markdown(res: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def _layout(name: str) -> tuple[int, bool]:
+def _layout(name: str, flag: str = "--parallel") -> tuple[int, bool]:
     """ "tp2-ep" -> (2, True)."""
     tp, _, ep = name.partition("-")
-    if not tp.startswith("tp") or ep not in ("", "ep"):
-        raise SystemExit(f"--parallel: {name!r} is not tpN or tpN-ep")
+    if not tp.startswith("tp") or not tp[2:].isdigit() or ep not in ("", "ep"):
+        raise SystemExit(f"{flag}: {name!r} is not tpN or tpN-ep")
     return int(tp[2:]), ep == "ep"
 
 
@@ -494,6 +553,181 @@ def main_parallel(layouts: list[str], out: Path, commit: str | None) -> None:
     finish_parallel(res, out)
 
 
+# ---- rank simulation -------------------------------------------------------------------------
+def _per_tokens(table: dict[int, float], tokens: int) -> float:
+    """`table` (tokens -> value) at `tokens`: linear between its points, and beyond its last
+    two."""
+    xs = sorted(table)
+    i = min(max(1, sum(x < tokens for x in xs)), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    return table[x0] + (table[x1] - table[x0]) * (tokens - x0) / (x1 - x0)
+
+
+def allreduce_us(tokens: int, ranks: int) -> float:
+    """Fused all-reduce + residual add + RMSNorm per call for `tokens` rows of a `ranks`-GPU
+    group: measured on 2 GPUs; for more, the one-token latency estimated (8 us on 8 GPUs,
+    linear in the peers between) plus ranks - 1 times the 2-GPU growth with tokens (module
+    docstring)."""
+    two = _per_tokens(ALLREDUCE_2GPU_US, tokens)
+    if ranks <= 2:
+        return two
+    one = ALLREDUCE_2GPU_US[1]
+    latency = one + (ALLREDUCE_8GPU_US_ONE_TOKEN - one) * (ranks - 2) / 6
+    return latency + (ranks - 1) * (two - one)
+
+
+def project_rank(run: dict, ranks: int, total_layers: int) -> dict:
+    """Per batch, for the all-reduce measured on 2 GPUs and estimated for `ranks`: the rank's
+    MoE layer with its two all-reduces, and the decode step of `total_layers` layers (module
+    docstring), GPU-bound and with the measured GPU idle per step."""
+    lo, hi = run["layer_counts"]
+    out = {}
+    for b, p in run["per_layer"].items():
+        stand_in = p["all_reduce_ms"]
+        layer_ms = p["gpu_ms"] - stand_in
+        row_lo = run["layers"][str(lo)]["batches"][b]
+        non_layer = row_lo["kernel_ms"] - row_lo["components_ms"].get("all-reduce", 0.0)
+        non_layer -= lo * layer_ms
+        idle = min(run["layers"][str(n)]["batches"][b]["idle_ms"] for n in (lo, hi))
+        variants = {}
+        kinds = {"2-GPU measured": 2, f"{ranks}-GPU estimate": ranks} if ranks > 2 else {}
+        for name, group in (kinds or {"2-GPU measured": 2}).items():
+            ar = allreduce_us(int(b), group) / 1000
+            layer = layer_ms + 2 * ar
+            step = total_layers * layer + non_layer + ar
+            variants[name] = {
+                "allreduce_us": ar * 1000,
+                "layer_ms": layer,
+                "step_ms": step,
+                "step_host_ms": step + idle,
+                "tok_s": int(b) * 1000 / step,
+                "tok_s_host": int(b) * 1000 / (step + idle),
+            }
+        out[b] = {
+            "rank_layer_ms": layer_ms,
+            "stand_in_ms": stand_in,
+            "non_layer_ms": non_layer,
+            "idle_ms": idle,
+            "allreduce": variants,
+        }
+    return out
+
+
+def _measured_slots(run: dict, b: str) -> tuple[float, float] | None:
+    """Mean (slots, distinct experts) of the MoE layers the slope measures (the larger
+    engine's layers beyond the smaller one's), None without simulated routing."""
+    lo, hi = run["layer_counts"]
+    rows = [run["layers"][str(n)].get("routing") for n in (lo, hi)]
+    if rows[1] is None:
+        return None
+    counts = rows[1][b]["layers"][len(rows[0][b]["layers"]) :]
+    return tuple(statistics.mean(c[i] for c in counts) for i in (0, 1))
+
+
+def write_rank_markdown(res: dict, path: Path) -> None:
+    v = res["versions"]
+    layout = res["rank_layout"]
+    ranks, ep = _layout(layout)
+    lines = [
+        f"# Decode per MoE layer of one simulated rank: rank 0 of {layout.upper()} on one GPU",
+        "",
+        f"commit {v['commit']}, {v['gpu']}, torch {v['torch']}, triton {v['triton']}. Method: "
+        "benchmarks/decode_layer.py docstring (rank simulation: `--simulate-rank "
+        f"{layout}`, slope of L=d+5 vs L=d+1 engines, CUDA graphs, dummy weights in the serving "
+        "format). Kernel us = slope of the decode profiler's kernel time per step; stand-in = "
+        "the local add + RMSNorm run in place of the fused all-reduce (two per layer), taken "
+        "out of the rank's layer time; wall = slope of the engine step time."
+        + (f" Engine settings: {v['settings']}." if v.get("settings") else ""),
+        "",
+    ]
+    for name, run in res["moeserve"].items():
+        total = res["total_layers"][name]
+        lines += [
+            f"## {name}",
+            "",
+            "| batch | routed slots on rank 0: busiest rank expected (measured layers; a rank's "
+            "mean) | distinct experts | kernel us per MoE layer | stand-in us | rank layer us "
+            "without it | wall us | bytes | % of HBM | kernels per layer |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        routing = run["layers"][str(run["layer_counts"][0])].get("routing")
+        for b, p in run["per_layer"].items():
+            proj = res["projection"][name][b]
+            if routing is not None:
+                r = routing[b]
+                m = _measured_slots(run, b)
+                slots = f"{r['expected_slots']:.2f} ({m[0]:.2f}; {r['mean_slots']:.0f})"
+                distinct = f"{r['expected_distinct']:.2f} ({m[1]:.2f})"
+            else:
+                slots = distinct = "all experts' slices (TP)"
+            lines.append(
+                f"| {b} | {slots} | {distinct} | {p['gpu_ms'] * 1000:.1f} | "
+                f"{proj['stand_in_ms'] * 1000:.1f} | {proj['rank_layer_ms'] * 1000:.1f} | "
+                f"{p['ms'] * 1000:.1f} | {p['bytes'] / 1e6:.0f} MB | {p['pct_hbm_gpu']:.0f}% | "
+                f"{p['kernels_per_layer']} |"
+            )
+        lines += [
+            "",
+            f"### Projection: {total} layers on {ranks} GPUs ({layout.upper()})",
+            "",
+            f"step = {total} x (rank layer + 2 all-reduces) + non-layer part + 1 all-reduce "
+            "(the embedding's); the dense layers counted as MoE layers; the LM head's "
+            "all-gather not modelled. All-reduce per call: measured on 2 H200s, or the "
+            f"{ranks}-GPU estimate (docstring: {ALLREDUCE_8GPU_US_ONE_TOKEN} us at one token on 8 "
+            "GPUs, stated, not measured).",
+            "",
+            "| batch | all-reduce | us per call | MoE layer + 2 all-reduces (us) | non-layer ms "
+            "| step ms (GPU) | tok/s | GPU idle per step ms | step ms with it | tok/s with it |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for b, proj in res["projection"][name].items():
+            for kind, q in proj["allreduce"].items():
+                lines.append(
+                    f"| {b} | {kind} | {q['allreduce_us']:.2f} | {q['layer_ms'] * 1000:.1f} | "
+                    f"{proj['non_layer_ms']:.3f} | {q['step_ms']:.3f} | {q['tok_s']:.0f} | "
+                    f"{proj['idle_ms']:.3f} | {q['step_host_ms']:.3f} | {q['tok_s_host']:.0f} |"
+                )
+        lines.append("")
+    if ep:
+        lines += [
+            "Routing: with expert parallelism each MoE layer routes every token to m of rank 0's "
+            "experts (the rest of its k slots to other ranks' experts, which the fused kernel "
+            "skips), the layer's slots adding up to the busiest of the ranks' expected load "
+            "(moeserve/parallel/simulated.py).",
+            "",
+        ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def finish_rank(res: dict, out: Path) -> None:
+    """Per-layer figures, the projection, JSON and markdown of a rank-simulation run."""
+    ranks, _ = _layout(res["rank_layout"])
+    res["projection"] = {}
+    for name, run in res["moeserve"].items():
+        summarize(run)
+        res["projection"][name] = project_rank(run, ranks, res["total_layers"][name])
+    (out / "decode_layer_rank.json").write_text(json.dumps(res, indent=1))
+    write_rank_markdown(res, out / "decode_layer_rank.md")
+    print((out / "decode_layer_rank.md").read_text())
+
+
+def main_rank(layout: str, configs: dict, out: Path, commit: str | None, settings: dict) -> None:
+    """Each config's two engines as rank 0 of `layout`, in this process (one GPU)."""
+    res: dict = {
+        "versions": {**_versions(commit), "settings": settings},
+        "rank_layout": layout,
+        "allreduce_2gpu_us": ALLREDUCE_2GPU_US,
+        "allreduce_8gpu_us_one_token": ALLREDUCE_8GPU_US_ONE_TOKEN,
+        "total_layers": {},
+        "moeserve": {},
+    }
+    for name, path in configs.items():
+        res["total_layers"][name] = int(_text_config(path)["num_hidden_layers"])
+        res["moeserve"][name] = bench_moeserve(name, path, simulate_rank=layout, **settings)
+        (out / "decode_layer_rank.json").write_text(json.dumps(res, indent=1))
+    finish_rank(res, out)
+
+
 def _setting(kv: str) -> tuple[str, object]:
     """KEY=VALUE -> (key, bool, int or str value)."""
     key, _, value = kv.partition("=")
@@ -523,15 +757,25 @@ def main() -> None:
         help="Kimi only, these layouts in one run (e.g. tp1,tp2,tp2-ep): "
         "decode_layer_parallel.{json,md} with the projection to 61 layers on 8 GPUs",
     )
+    ap.add_argument(
+        "--rank",
+        default=None,
+        metavar="tpN[-ep]",
+        help="one GPU as rank 0 of this layout (--simulate-rank, e.g. tp8-ep): "
+        "decode_layer_rank.{json,md} with the projection of the whole model on N GPUs",
+    )
     ap.add_argument("--engine", default=None, help=argparse.SUPPRESS)  # NAME:LAYOUT:LAYERS
     ap.add_argument(
         "--summarize",
         default=None,
-        help="recompute decode_layer_parallel.{json,md} in --out from this recorded JSON",
+        help="recompute decode_layer_parallel.{json,md} (or decode_layer_rank.{json,md}) in "
+        "--out from this recorded JSON",
     )
     args = ap.parse_args()
     if args.summarize:
-        finish_parallel(json.loads(Path(args.summarize).read_text()), Path(args.out))
+        recorded = json.loads(Path(args.summarize).read_text())
+        finish = finish_rank if "rank_layout" in recorded else finish_parallel
+        finish(recorded, Path(args.out))
         return
     if args.engine:  # one engine for a parent run: its row as JSON at --out
         name, layout, layers = args.engine.split(":")
@@ -547,6 +791,10 @@ def main() -> None:
     if args.only:
         configs = {args.only: {**CONFIGS, **OPTIONAL}[args.only]}
     settings = dict(_setting(kv) for kv in args.set)
+    if args.rank:
+        _layout(args.rank, "--rank")
+        main_rank(args.rank, configs, Path(args.out), args.commit, settings)
+        return
     res: dict = {"versions": _versions(args.commit), "moeserve": {}, "hf": {}}
     res["versions"]["settings"] = settings
     for name, path in configs.items():

@@ -547,10 +547,44 @@ class ParallelConfig(_Settings):
         "seconds a start-up collective may wait before the server exits with one line",
         minimum=1.0,
     )
+    simulate_rank: str | None = setting(
+        None,
+        "benchmarks: one process on one device holds exactly rank 0's share of a tensor-"
+        "parallel layout, tpN or tpN-ep (with expert parallelism), and skips the collectives; "
+        "routed experts get the busiest rank's expected share of the slots; outputs are not "
+        "the model's",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.simulate_rank is None:
+            return
+        parse_rank_layout(self.simulate_rank)
+        if (
+            self.tensor_parallel_size != 1
+            or self.enable_expert_parallel
+            or self.distributed_executor != "mp"
+        ):
+            raise ConfigError(
+                "--simulate-rank runs one process and names its own layout: leave "
+                "--tensor-parallel-size, --enable-expert-parallel and --distributed-executor "
+                "unset"
+            )
 
     @property
     def tp_size(self) -> int:
         return self.tensor_parallel_size
+
+
+def parse_rank_layout(value: str) -> tuple[int, bool]:
+    """`tpN` / `tpN-ep` -> (N, expert parallel), N >= 2 (the `--simulate-rank` format)."""
+    tp, _, ep = value.partition("-")
+    size = tp[2:]
+    if not (tp.startswith("tp") and size.isdigit() and int(size) >= 2 and ep in ("", "ep")):
+        raise ConfigError(
+            f"--simulate-rank must be tpN or tpN-ep with N >= 2 (e.g. tp8-ep), got {value!r}"
+        )
+    return int(size), ep == "ep"
 
 
 # ---- speculative decoding --------------------------------------------------------------------

@@ -478,6 +478,7 @@ def build_result(
     res["server_generation_tokens_before"] = point.server_tokens_before
     res["server_generation_tokens_after"] = point.server_tokens_after
     res["server_generation_tokens_delta"] = point.server_tokens_delta
+    res.update(serving.spec_summary(point.spec_delta))
     return res
 
 

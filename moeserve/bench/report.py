@@ -101,6 +101,12 @@ def format_table(result: dict[str, Any]) -> str:
             _line("Server-counted generated tokens:", int(result["server_generation_tokens_delta"]))
         )
         out.append(_line("Client-counted generated tokens:", result["total_output_tokens"]))
+    if result.get("spec_decode_acceptance_length") is not None:
+        out.append("{:-^{w}}".format("Speculative decoding (server)", w=WIDTH))
+        out.append(_line("Mean acceptance length:", result["spec_decode_acceptance_length"]))
+        rate = result.get("spec_decode_draft_acceptance_rate")
+        if rate is not None:
+            out.append(_line("Draft acceptance rate (%):", 100 * rate))
     if result.get("failure_reasons"):
         out.append("{:-^{w}}".format("Failed requests by reason", w=WIDTH))
         for reason, n in sorted(result["failure_reasons"].items(), key=lambda kv: -kv[1]):

@@ -26,6 +26,13 @@ from moeserve.bench.metrics import RequestRecord
 
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 GENERATION_TOKENS_COUNTER = "moeserve_generation_tokens_total"
+# speculative decoding counters under vLLM's names (moeserve exports them too), so the
+# acceptance length is read the same way from either server
+SPEC_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
+}
 # Longest server error text kept per failed request (the reasons table stays readable).
 MAX_ERROR_CHARS = 200
 
@@ -75,6 +82,9 @@ class PointResult:
     measured: PhaseResult
     server_tokens_before: float | None
     server_tokens_after: float | None
+    # speculative decoding counters over the measured phase (SPEC_COUNTERS' keys), or None
+    # when the server does not speculate
+    spec_delta: dict[str, float] | None = None
 
     @property
     def server_tokens_delta(self) -> float | None:
@@ -324,6 +334,42 @@ async def scrape_counter(
         return None
 
 
+async def scrape_counters(
+    session: aiohttp.ClientSession,
+    url: str | None,
+    names: dict[str, str],
+    headers: dict[str, str] | None = None,
+) -> dict[str, float] | None:
+    """Several counters from one scrape (key -> value), or None when any is missing."""
+    if not url:
+        return None
+    try:
+        async with session.get(
+            url, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=30)
+        ) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text(errors="replace")
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        return None
+    out = {key: parse_prometheus_counter(text, name) for key, name in names.items()}
+    if any(v is None for v in out.values()):
+        return None
+    return out  # type: ignore[return-value]
+
+
+def spec_summary(delta: dict[str, float] | None) -> dict[str, float | None]:
+    """Mean acceptance length (1 + accepted / drafts, vLLM's definition) and the share of
+    draft tokens accepted, from the counters' change over the measured phase."""
+    if not delta or not delta.get("drafts"):
+        return {"spec_decode_acceptance_length": None, "spec_decode_draft_acceptance_rate": None}
+    rate = delta["accepted_tokens"] / delta["draft_tokens"] if delta["draft_tokens"] else None
+    return {
+        "spec_decode_acceptance_length": 1.0 + delta["accepted_tokens"] / delta["drafts"],
+        "spec_decode_draft_acceptance_rate": rate,
+    }
+
+
 async def discover_model(
     session: aiohttp.ClientSession, base_url: str, headers: dict[str, str]
 ) -> str:
@@ -376,10 +422,16 @@ async def run_point(
             session, cfg, warm_load, warmup_samples, True, hook(len(warmup_samples), "warm-up")
         )
     before = await scrape_counter(session, metrics_url, GENERATION_TOKENS_COUNTER, cfg.headers)
+    spec_before = await scrape_counters(session, metrics_url, SPEC_COUNTERS, cfg.headers)
     measured = await run_phase(session, cfg, load, samples, False, hook(len(samples), "benchmark"))
     after = (
         await scrape_counter(session, metrics_url, GENERATION_TOKENS_COUNTER, cfg.headers)
         if before is not None
         else None
     )
-    return PointResult(warm, measured, before, after)
+    spec_after = await scrape_counters(session, metrics_url, SPEC_COUNTERS, cfg.headers)
+    spec_delta = None
+    if spec_after is not None:  # counters that appear with the first draft start at 0
+        start = spec_before or dict.fromkeys(SPEC_COUNTERS, 0.0)
+        spec_delta = {k: spec_after[k] - start[k] for k in SPEC_COUNTERS}
+    return PointResult(warm, measured, before, after, spec_delta)

@@ -49,6 +49,7 @@ from moeserve.parallel.broadcast import (
     ShmChannel,
 )
 from moeserve.parallel.groups import SINGLE, TPGroup
+from moeserve.parallel.simulated import simulated_group
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def build_rank(cfg: EngineConfig, tp: TPGroup, device: str) -> ModelRunner:
         torch.set_num_threads(cfg.load.threads)
     torch.manual_seed(cfg.load.seed)
     dtype = parse_dtype(cfg.load.dtype, torch.float32, device)
-    if tp.size > 1:
+    if tp.size > 1 and tp.comm is None:  # a simulated rank brings its own
         tp = _with_communicator(cfg, tp, device, dtype)
     t0 = time.perf_counter()
     loaded = load_model(
@@ -235,6 +236,10 @@ def build_executor(cfg: EngineConfig) -> Executor:
     """Rank 0's executor: this process alone, or the group it spawns or joins."""
     device = resolve_device(cfg)
     par = cfg.parallel
+    if par.simulate_rank is not None:
+        tp = simulated_group(par.simulate_rank, device)
+        log.warning("%s", tp.describe())
+        return Executor(build_rank(cfg, tp, device))
     if par.distributed_executor == "torchrun":
         return _join_torchrun(cfg, device)
     if par.tensor_parallel_size > 1:

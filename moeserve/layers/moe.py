@@ -53,6 +53,7 @@ from moeserve.layers.quant.base import (
 )
 from moeserve.layers.quant.scheme import WeightScheme
 from moeserve.parallel.groups import SINGLE, TPGroup
+from moeserve.parallel.simulated import simulated_routing
 
 log = logging.getLogger(__name__)
 
@@ -777,6 +778,16 @@ class DeepseekMoE(nn.Module):
             )
         else:
             self.shared_experts = None
+        # rank simulation only (benchmarks, parallel/simulated.py): the router's ids replaced
+        # by the busiest rank's expected share; None when serving
+        grouped = cfg.topk_method in ("noaux_tc", "group_limited_greedy")
+        self.simulated_routing = simulated_routing(
+            tp,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cfg.n_group if grouped else 1,
+            cfg.topk_group,
+        )
 
     def route(
         self, x: torch.Tensor, shared_slots: int | None = None
@@ -833,5 +844,7 @@ class DeepseekMoE(nn.Module):
         elif self.shared_experts is not None:
             shared = self.shared_experts(x)
         weights, ids = self.route(x, slots)
+        if self.simulated_routing is not None:
+            ids = self.simulated_routing.ids(ids)
         # this rank's partial sum: the decoder all-reduces it with the residual
         return self.experts(x, weights, ids, add_to=shared)

@@ -19,9 +19,13 @@ ACCEPT_PRIOR = 0.6
 ACCEPT_PRIOR_WEIGHT = 2.0
 # older verifications count less: the text a request writes changes character
 ACCEPT_DECAY = 0.9
-# relative cost of one more token in a step before any such step was timed
+# relative cost of one more token in a step before two token counts were timed
 PRIOR_COST_SLOPE = 0.05
-STEP_COST_DECAY = 0.8  # moving average of step times
+# weight an older step time keeps per newer one: the machine's speed drifts, and a count
+# the policy stopped choosing must not keep its old figure forever
+STEP_COST_DECAY = 0.98
+MIN_WEIGHT = 1e-3
+MIN_STEP_SECONDS = 1e-6  # a fitted line never promises a free step
 # a draft must promise this much more output per second than none
 MIN_GAIN = 1.02
 PROBE_EVERY = 8  # a request drafting nothing verifies one token every this many steps
@@ -44,17 +48,20 @@ class DraftPolicy:
     def __init__(self, max_tokens: int, adaptive: bool = True) -> None:
         self.max_tokens = max_tokens
         self.adaptive = adaptive
-        self.step_seconds: dict[int, float] = {}  # tokens in a decode step -> seconds
+        # tokens in a decode step -> (weight, mean seconds), older steps weighted less
+        self.step_seconds: dict[int, tuple[float, float]] = {}
         self._acc: dict[str, _Acceptance] = {}
 
     # ---- measurements ----------------------------------------------------------------------
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A step of decode and verify rows only took `seconds` for `num_tokens` tokens."""
-        old = self.step_seconds.get(num_tokens)
-        if old is None:
-            self.step_seconds[num_tokens] = seconds
-        else:
-            self.step_seconds[num_tokens] = STEP_COST_DECAY * old + (1 - STEP_COST_DECAY) * seconds
+        aged = {}
+        for n, (w, mean) in self.step_seconds.items():
+            if w * STEP_COST_DECAY >= MIN_WEIGHT:
+                aged[n] = (w * STEP_COST_DECAY, mean)
+        w, mean = aged.get(num_tokens, (0.0, 0.0))
+        aged[num_tokens] = (w + 1.0, mean + (seconds - mean) / (w + 1.0))
+        self.step_seconds = aged
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verification of `drafted` tokens accepted the first `accepted`."""
@@ -68,21 +75,25 @@ class DraftPolicy:
 
     # ---- the decision ----------------------------------------------------------------------
     def cost(self, num_tokens: int) -> float:
-        """Step time for `num_tokens` tokens: measured, interpolated between measured
-        counts, or scaled from the nearest one by the prior slope."""
-        known = self.step_seconds
-        if num_tokens in known:
-            return known[num_tokens]
-        below = max((n for n in known if n < num_tokens), default=None)
-        above = min((n for n in known if n > num_tokens), default=None)
-        if below is not None and above is not None:
-            w = (num_tokens - below) / (above - below)
-            return (1 - w) * known[below] + w * known[above]
-        base = below if below is not None else above
-        if base is None:
+        """Step time for `num_tokens` tokens: a weighted straight line through the timed
+        steps (step time grows about linearly with the tokens at these sizes), or the
+        prior slope from the one count timed so far."""
+        pts = self.step_seconds
+        if not pts:
             return 1.0 + PRIOR_COST_SLOPE * (num_tokens - 1)
-        scale = (1.0 + PRIOR_COST_SLOPE * (num_tokens - 1)) / (1.0 + PRIOR_COST_SLOPE * (base - 1))
-        return known[base] * scale
+        wsum = sum(w for w, _ in pts.values())
+        nbar = sum(w * n for n, (w, _) in pts.items()) / wsum
+        tbar = sum(w * t for w, t in pts.values()) / wsum
+        var = sum(w * (n - nbar) ** 2 for n, (w, _) in pts.items())
+        if len(pts) < 2 or var <= 0.0:
+            return (
+                tbar
+                * (1.0 + PRIOR_COST_SLOPE * (num_tokens - 1))
+                / (1.0 + PRIOR_COST_SLOPE * (nbar - 1))
+            )
+        slope = sum(w * (n - nbar) * (t - tbar) for n, (w, t) in pts.items()) / var
+        slope = max(slope, 0.0)
+        return max(tbar + slope * (num_tokens - nbar), MIN_STEP_SECONDS)
 
     def length(self, request_id: str, step_tokens: int, limit: int) -> int:
         """Draft tokens `request_id` may verify in a step that computes `step_tokens` tokens
