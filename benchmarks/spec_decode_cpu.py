@@ -240,7 +240,7 @@ def main() -> None:
         if r > 0 and "suffix" in engines:
             engines["suffix"] = fresh("suffix")  # keep this task's earlier answers out
         for workload, tasks in sets.items():
-            per_repeat = {m: [0, 0.0] for m in all_methods}
+            per_pass = {m: [0, 0.0] for m in all_methods}
             for task in tasks:
                 runs = {
                     m: run_task(engines[m], prompt_ids[(workload, task.name)], task.max_tokens)
@@ -252,8 +252,8 @@ def main() -> None:
                     tot.decode_tokens += run.decode_tokens
                     tot.decode_s += run.decode_s
                     tot.spec = add_counters(tot.spec, run.spec)
-                    per_repeat[m][0] += run.decode_tokens
-                    per_repeat[m][1] += run.decode_s
+                    per_pass[m][0] += run.decode_tokens
+                    per_pass[m][1] += run.decode_s
                     same = run.token_ids == plain.token_ids
                     if m != PLAIN:
                         tot.compared += 1
@@ -267,7 +267,7 @@ def main() -> None:
                             mismatches.append(_mismatch(ref, task, m, r, plain, run))
                     records.append(_record(task, m, r, run, same))
                 print(_progress(task, r, runs), flush=True)
-            for m, (n, s) in per_repeat.items():
+            for m, (n, s) in per_pass.items():
                 totals[(workload, m)].runs_tok_s.append(n / s if s else 0.0)
     rows = _rows(sets, all_methods, totals)
     _write(args, methods, sets, rows, records, mismatches)
@@ -345,8 +345,8 @@ def _rows(
                     "decode_tokens": tot.decode_tokens,
                     "decode_s": tot.decode_s,
                     "tok_s": rate,
-                    "tok_s_per_repeat": tot.runs_tok_s,
-                    "tok_s_median_of_repeats": statistics.median(tot.runs_tok_s)
+                    "tok_s_per_pass": tot.runs_tok_s,
+                    "tok_s_median_of_passes": statistics.median(tot.runs_tok_s)
                     if tot.runs_tok_s
                     else None,
                     "speedup": speedup,

@@ -300,8 +300,10 @@ class LLMEngine:
         t_entry = time.perf_counter()
         outputs: list[RequestOutput] = []
         prev, self._inflight = self._inflight, None
+        t_draft = time.perf_counter()
         if self.proposer is not None:
             self._propose()
+        t_draft = time.perf_counter() - t_draft
         # max_tokens == 0 (prompt logprobs only) still needs its prefill; others finish here
         batch = self.scheduler.schedule()
         for req in batch.preempted:
@@ -320,13 +322,15 @@ class LLMEngine:
             if prev is not None:
                 outputs = self._complete(prev)
             if self.profiler is not None and self.profiler.active and step.is_decode_only:
-                self._profile_step(step, time.perf_counter() - t_entry, t_exec)
+                self._profile_step(step, time.perf_counter() - t_entry, t_exec, len(batch.requests))
             return outputs
         if prev is not None:  # its tokens are this step's history (penalties, stop checks)
             outputs = self._complete(prev)
         failed: dict[int, Exception] = {}
         tokens, lps = self._sample(batch, plan, logits, failed)
+        t_accept = time.perf_counter()
         emitted, emitted_lps = self._verify(batch, plan, logits, failed)
+        t_accept = time.perf_counter() - t_accept
         prompt_lps = self._prompt_logprobs(batch, plan, logits, failed)
         if self.policy is not None and all(
             n == 1 + len(plan.verify.get(i, ())) for i, n in enumerate(batch.num_tokens)
@@ -351,7 +355,11 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         if self.profiler is not None and self.profiler.active and step.is_decode_only:
-            self._profile_step(step, time.perf_counter() - t_entry, t_exec)
+            if self.proposer is not None:
+                drafted = sum(len(d) for d in plan.verify.values())
+                emitted_n = sum(len(t) for t in emitted.values()) + len(tokens)
+                self.profiler.record_spec(t_draft, t_accept, drafted, emitted_n)
+            self._profile_step(step, time.perf_counter() - t_entry, t_exec, len(batch.requests))
         return outputs
 
     # ---- overlap scheduling ------------------------------------------------------------------
@@ -424,11 +432,14 @@ class LLMEngine:
             self._fail(live, e)
             return None
 
-    def _profile_step(self, step: StepInput, seconds: float, forward_seconds: float) -> None:
-        """--profile-decode: count this served decode step; after N, the labelled eager
-        rerun of this step (idempotent: same cache rows) and the table."""
+    def _profile_step(
+        self, step: StepInput, seconds: float, forward_seconds: float, batch: int
+    ) -> None:
+        """--profile-decode: count this served decode step of `batch` sequences; after N,
+        the labelled eager rerun of this step (idempotent: same cache rows) and the
+        table."""
         prof = self.profiler
-        prof.record(len(step.rows), seconds, forward_seconds)
+        prof.record(batch, seconds, forward_seconds)
         if prof.done_timing():
             rerun = replace(step, eager=True, greedy=False)  # leaves the sampled tokens be
             result = prof.finish(self.runner.model, lambda: self.executor.execute(rerun))

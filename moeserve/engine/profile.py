@@ -124,6 +124,9 @@ class DecodeProfile:
     kernels_per_step: int = 0
     kernels_per_layer: dict[str, int] = field(default_factory=dict)  # layer index -> kernels
     between_ms: float | None = None  # GPU idle between steps (GPU only)
+    # speculative decoding, per step: host ms drafting, host ms accepting (verify + rollback),
+    # draft tokens verified, tokens emitted (None: not speculating)
+    spec: dict[str, float] | None = None
 
     @property
     def idle_ms(self) -> float:
@@ -131,14 +134,24 @@ class DecodeProfile:
 
     def rows(self) -> list[tuple[str, float]]:
         comps = [(c, self.components_ms.get(c, 0.0)) for c in COMPONENTS]
+        # speculative host work sits inside the step's idle time: its own rows, taken out
+        # of the idle row that holds it
+        spec_host = 0.0
+        if self.spec is not None:
+            spec_host = self.spec["draft_ms"] + self.spec["accept_ms"]
+            comps += [
+                ("speculative: draft (host)", self.spec["draft_ms"]),
+                ("speculative: accept (host)", self.spec["accept_ms"]),
+            ]
+        idle = max(0.0, self.idle_ms - spec_host)
         if self.device != "cuda":
-            return comps + [("host (outside the forward)", self.idle_ms)]
+            return comps + [("host (outside the forward)", idle)]
         if self.between_ms is None:
-            return comps + [("GPU idle (host gaps)", self.idle_ms)]
-        between = min(self.between_ms, self.idle_ms)
+            return comps + [("GPU idle (host gaps)", idle)]
+        between = min(self.between_ms, idle)
         return comps + [
             ("GPU idle between steps", between),
-            ("GPU idle inside steps", self.idle_ms - between),
+            ("GPU idle inside steps", idle - between),
         ]
 
     def table(self) -> str:
@@ -150,6 +163,11 @@ class DecodeProfile:
         for name, ms in self.rows():
             share = ms / self.step_ms if self.step_ms else 0.0
             lines.append(f"  {name:<28} {ms * 1000:10.1f} us  {share:6.1%}")
+        if self.spec is not None:
+            lines.append(
+                f"  speculative: verify {self.spec['draft_tokens']:.2f} draft tokens per step "
+                f"(in the forward above), {self.spec['tokens']:.2f} tokens emitted per step"
+            )
         layers = sorted(self.kernels_per_layer.items(), key=lambda kv: int(kv[0]))
         if layers:
             counts = Counter(n for _, n in layers)
@@ -333,6 +351,8 @@ class DecodeProfiler:
         self.batch = 0
         self.result: DecodeProfile | None = None
         self._prof: profile | None = None
+        self._spec: list[tuple[float, float, int, int]] = []
+        self._next_spec: tuple[float, float, int, int] | None = None
 
     @property
     def active(self) -> bool:
@@ -350,6 +370,16 @@ class DecodeProfiler:
         self.batch = batch
         self.timed.append(seconds * 1000)
         self.forward.append(forward_seconds * 1000)
+        if self._next_spec is not None:
+            self._spec.append(self._next_spec)
+            self._next_spec = None
+
+    def record_spec(
+        self, draft_seconds: float, accept_seconds: float, draft_tokens: int, tokens: int
+    ) -> None:
+        """The speculative parts of the step `record` is called for next: host time drafting
+        and accepting, the draft tokens it verified and the tokens it emitted."""
+        self._next_spec = (draft_seconds * 1000, accept_seconds * 1000, draft_tokens, tokens)
 
     def done_timing(self) -> bool:
         return len(self.timed) >= self.steps
@@ -383,5 +413,14 @@ class DecodeProfiler:
             kernels_per_step=per_step or count,
             kernels_per_layer=layers,
             between_ms=between,
+            spec=self._spec_summary(),
         )
         return self.result
+
+    def _spec_summary(self) -> dict[str, float] | None:
+        if not self._spec:
+            return None
+        n = len(self._spec)
+        cols = list(zip(*self._spec, strict=True))
+        keys = ("draft_ms", "accept_ms", "draft_tokens", "tokens")
+        return {k: sum(col) / n for k, col in zip(keys, cols, strict=True)}

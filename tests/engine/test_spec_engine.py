@@ -67,3 +67,27 @@ def test_speculative_tokens_equal_plain_tokens(models, name, method):
     assert got == want
     stats = llm.engine.metrics.spec
     assert stats.drafts > 0 and stats.accepted_tokens > 0, stats
+
+
+def test_profile_decode_has_speculative_rows(models):
+    """--profile-decode with drafts: the table's rows split the step (draft and accept host
+    time out of the host row, not on top of it) and count the verified and emitted tokens."""
+    spec = {"method": "suffix", "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(
+        models["kimi-k2.5-nvfp4"],
+        device="cpu",
+        dtype="bfloat16",
+        max_model_len=256,
+        profile_decode=4,
+        speculative_config=spec,
+    )
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm.generate([PROMPTS[0]], params)
+    llm.generate([PROMPTS[0]], params)  # drafted from the first answer
+    prof = llm.engine.profiler.result
+    assert prof is not None and prof.spec is not None
+    assert prof.spec["draft_tokens"] > 0 and prof.spec["tokens"] >= 1
+    names = [name for name, _ in prof.rows()]
+    assert "speculative: draft (host)" in names and "speculative: accept (host)" in names
+    assert sum(ms for _, ms in prof.rows()) <= prof.step_ms * 1.001
+    assert "tokens emitted per step" in prof.table()

@@ -126,7 +126,7 @@ def ngram(lo: int = 2, hi: int = 5, k: int = 8) -> NgramProposer:
     return NgramProposer(prompt_lookup_min=lo, prompt_lookup_max=hi, num_speculative_tokens=k)
 
 
-def test_ngram_repeated_phrase_continues():
+def test_ngram_phrase_seen_before_continues():
     p = ngram(2, 3)
     p.start("r", [1, 2, 3, 4, 5, 9, 9, 1, 2, 3])
     assert p.propose("r", 3) == [4, 5, 9]
@@ -231,7 +231,7 @@ def suffix(depth: int = 64, cached: int = 8, factor: float = 1.0, prob: float = 
     )
 
 
-def test_suffix_repeated_phrase_continues():
+def test_suffix_phrase_seen_before_continues():
     p = suffix()
     phrase = [11, 12, 13, 14, 15, 16, 17]
     p.start("r", [1, 2] + phrase + [3, 4] + phrase[:4])
@@ -283,7 +283,7 @@ def test_suffix_draft_stays_within_the_depth_cap():
     assert p.propose("r", 2) == []  # single tokens only: nothing to continue
 
 
-def test_suffix_global_tree_helps_a_request_repeating_a_finished_output():
+def test_suffix_global_tree_helps_a_request_that_says_a_finished_output_again():
     rng = random.Random(3)
     output = [rng.randrange(1000, 2000) for _ in range(30)]
     p = suffix()
