@@ -123,6 +123,13 @@ def _banner(engine, name: str, seconds: float) -> str:
     graphs = "".join(f"; {x}" for x in (r.warm_up_status, r.graph_status) if x)
     parallel = e.executor.describe()
     parallel = f"; {parallel}" if parallel else ""
+    spec = e.config.speculative_config
+    if spec is not None:
+        rule = "adaptive" if spec.adaptive else "fixed"
+        parallel += (
+            f"; speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} "
+            f"draft tokens per step ({rule})"
+        )
     head = (
         f"moeserve: loaded {name}: {e.loaded.description}; dtype "
         f"{str(dtype)[6:]} on {r.device}{parallel}; KV cache {e.num_pages} pages "

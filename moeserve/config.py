@@ -106,6 +106,9 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = False
     num_nextn_predict_layers: int = 0
+    # the checkpoint layer index of the MTP module built and served as a draft model
+    # (speculative decoding, method mtp); -1: none (MTP layers are skipped on load)
+    mtp_index: int = -1
     # where the text model's weights live inside the checkpoint ("" or "language_model.")
     weight_prefix: str = ""
     # serving layout, not architecture: shared experts run as extra slots of the routed
@@ -133,6 +136,16 @@ class ModelConfig:
         """The served context: `requested` (--max-model-len), else the model's; see
         served_context_len."""
         return served_context_len(requested, self.max_position_embeddings)
+
+    def with_mtp(self) -> ModelConfig:
+        """The same model with its first MTP layer built as a draft model (before
+        `with_layers`: the MTP layer keeps its checkpoint index)."""
+        if self.num_nextn_predict_layers < 1:
+            raise ConfigError(
+                "--speculative-config method mtp: the checkpoint has no MTP layers "
+                "(num_nextn_predict_layers is 0)"
+            )
+        return replace(self, mtp_index=self.num_hidden_layers)
 
     def with_layers(self, n: int) -> ModelConfig:
         """The same model cut to `n` layers (benchmarks on real shapes, fewer layers)."""
@@ -649,8 +662,11 @@ class SpeculativeConfig:
             raise ConfigError(
                 "--speculative-config: suffix_decoding_min_token_prob must be in [0, 1]"
             )
-        if method == "eagle3" and not self.model:
-            raise ConfigError('--speculative-config: method "eagle3" needs "model": its folder')
+        if method == "eagle3":
+            raise ConfigError(
+                "--speculative-config: method eagle3 (EAGLE-3 draft heads) is not available yet; "
+                "use ngram, suffix or mtp"
+            )
 
     @classmethod
     def parse(cls, value: str | dict | SpeculativeConfig) -> SpeculativeConfig:
@@ -727,10 +743,18 @@ class EngineConfig(_Settings):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(spec))
 
     def graph_max_batch(self, device: str) -> int:
-        """Largest decode batch replayed from a CUDA graph on `device` (0: graphs off)."""
+        """Largest decode batch (one-token rows) replayed from a CUDA graph on `device` (0:
+        graphs off). A sequence verifying a draft of K tokens takes K + 1 rows."""
         if self.enforce_eager or not device.startswith("cuda"):
             return 0
-        return max(0, min(self.cuda_graph_max_bs, self.scheduler.max_num_seqs))
+        rows = self.scheduler.max_num_seqs * (1 + self.num_speculative_tokens)
+        return max(0, min(self.cuda_graph_max_bs, rows))
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Most draft tokens a sequence verifies in a step (0: no speculative decoding)."""
+        spec = self.speculative_config
+        return spec.num_speculative_tokens if spec is not None else 0
 
     @classmethod
     def from_settings(cls, model: str | None = None, **settings: Any) -> EngineConfig:

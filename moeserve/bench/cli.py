@@ -478,6 +478,9 @@ def build_result(
     res["server_generation_tokens_before"] = point.server_tokens_before
     res["server_generation_tokens_after"] = point.server_tokens_after
     res["server_generation_tokens_delta"] = point.server_tokens_delta
+    res["server_prefix_cache_hits_before"] = point.prefix_cache_hits_before
+    res["server_prefix_cache_hits_after"] = point.prefix_cache_hits_after
+    res["server_prefix_cache_hits_delta"] = point.prefix_cache_hits_delta
     res.update(serving.spec_summary(point.spec_delta))
     return res
 

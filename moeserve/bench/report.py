@@ -113,7 +113,24 @@ def format_table(result: dict[str, Any]) -> str:
             out.append(f"{n:>6}  {reason}")
     out.append("=" * WIDTH)
     out.extend(usage_warnings(result))
+    out.extend(prefix_cache_warning(result))
     return "\n".join(out)
+
+
+def prefix_cache_warning(result: dict[str, Any]) -> list[str]:
+    """One line when the server's prefix cache served prompt tokens during the measured
+    phase: those prompts skipped prefill, so TTFT and throughput flatter the server (a
+    repeated run with the same --seed sends the same prompts)."""
+    hits = result.get("server_prefix_cache_hits_delta")
+    if not hits or hits <= 0:
+        return []
+    total = result.get("total_input_tokens") or 0
+    share = f" ({100 * hits / total:.0f}% of the input tokens)" if total else ""
+    return [
+        f"warning: the server's prefix cache served {int(hits)} prompt tokens during the "
+        f"run{share}: those prompts skipped prefill; change --seed or restart the server "
+        "to measure prefill"
+    ]
 
 
 def usage_warnings(result: dict[str, Any]) -> list[str]:

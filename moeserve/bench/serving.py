@@ -26,6 +26,10 @@ from moeserve.bench.metrics import RequestRecord
 
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 GENERATION_TOKENS_COUNTER = "moeserve_generation_tokens_total"
+# prompt tokens served from the server's prefix cache (moeserve's name, then vLLM's): prompts
+# the server has seen before skip their prefill, so a rising count means the run measured
+# the cache rather than prefill
+PREFIX_CACHE_HITS_COUNTERS = ("moeserve_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
 # speculative decoding counters under vLLM's names (moeserve exports them too), so the
 # acceptance length is read the same way from either server
 SPEC_COUNTERS = {
@@ -85,12 +89,21 @@ class PointResult:
     # speculative decoding counters over the measured phase (SPEC_COUNTERS' keys), or None
     # when the server does not speculate
     spec_delta: dict[str, float] | None = None
+    # the prefix-cache hits counter (tokens) around the measured phase, None when not exposed
+    prefix_cache_hits_before: float | None = None
+    prefix_cache_hits_after: float | None = None
 
     @property
     def server_tokens_delta(self) -> float | None:
         if self.server_tokens_before is None or self.server_tokens_after is None:
             return None
         return self.server_tokens_after - self.server_tokens_before
+
+    @property
+    def prefix_cache_hits_delta(self) -> float | None:
+        if self.prefix_cache_hits_before is None or self.prefix_cache_hits_after is None:
+            return None
+        return self.prefix_cache_hits_after - self.prefix_cache_hits_before
 
 
 def normalize_base_url(url: str) -> str:
@@ -358,6 +371,32 @@ async def scrape_counters(
     return out  # type: ignore[return-value]
 
 
+async def scrape_first_counter(
+    session: aiohttp.ClientSession,
+    url: str | None,
+    names: Sequence[str],
+    headers: dict[str, str] | None = None,
+) -> float | None:
+    """The first of `names` (one counter under each server's name) that `url` exposes, from
+    one scrape; None when it exposes none."""
+    if not url:
+        return None
+    try:
+        async with session.get(
+            url, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=30)
+        ) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text(errors="replace")
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        return None
+    for name in names:
+        value = parse_prometheus_counter(text, name)
+        if value is not None:
+            return value
+    return None
+
+
 def spec_summary(delta: dict[str, float] | None) -> dict[str, float | None]:
     """Mean acceptance length (1 + accepted / drafts, vLLM's definition) and the share of
     draft tokens accepted, from the counters' change over the measured phase."""
@@ -423,6 +462,9 @@ async def run_point(
         )
     before = await scrape_counter(session, metrics_url, GENERATION_TOKENS_COUNTER, cfg.headers)
     spec_before = await scrape_counters(session, metrics_url, SPEC_COUNTERS, cfg.headers)
+    hits_before = await scrape_first_counter(
+        session, metrics_url, PREFIX_CACHE_HITS_COUNTERS, cfg.headers
+    )
     measured = await run_phase(session, cfg, load, samples, False, hook(len(samples), "benchmark"))
     after = (
         await scrape_counter(session, metrics_url, GENERATION_TOKENS_COUNTER, cfg.headers)
@@ -430,8 +472,13 @@ async def run_point(
         else None
     )
     spec_after = await scrape_counters(session, metrics_url, SPEC_COUNTERS, cfg.headers)
+    hits_after = (
+        await scrape_first_counter(session, metrics_url, PREFIX_CACHE_HITS_COUNTERS, cfg.headers)
+        if hits_before is not None
+        else None
+    )
     spec_delta = None
     if spec_after is not None:  # counters that appear with the first draft start at 0
         start = spec_before or dict.fromkeys(SPEC_COUNTERS, 0.0)
         spec_delta = {k: spec_after[k] - start[k] for k in SPEC_COUNTERS}
-    return PointResult(warm, measured, before, after, spec_delta)
+    return PointResult(warm, measured, before, after, spec_delta, hits_before, hits_after)

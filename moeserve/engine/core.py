@@ -16,6 +16,7 @@ import torch
 
 from moeserve.config import EngineConfig, SchedulerConfig
 from moeserve.engine.detokenizer import IncrementalDetokenizer
+from moeserve.engine.draft import DraftModelProposer
 from moeserve.engine.errors import EngineInputError
 from moeserve.engine.executor import Executor
 from moeserve.engine.kv_blocks import PageAllocator
@@ -28,6 +29,7 @@ from moeserve.engine.step import RowAllocator, StepInput
 from moeserve.engine.worker import build_executor
 from moeserve.sampling import SamplingParams, is_device_error
 from moeserve.spec import make_proposer
+from moeserve.spec.base import Proposer
 from moeserve.spec.policy import DraftPolicy
 
 # CPU default of --long-prefill-token-threshold: requests behind a long prompt wait for one
@@ -58,6 +60,8 @@ class _StepPlan:
     prompt: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # i -> (row, start, n)
     # i -> its draft (verified on rows sample[i] .. sample[i] + len(draft))
     verify: dict[int, list[int]] = field(default_factory=dict)
+    # i -> (its first token's row in the step, its first position, its token count)
+    spans: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,7 +107,11 @@ class LLMEngine:
         # them (`take_failures`) and fails those requests' streams
         self.failures: list[tuple[str, Exception]] = []
         spec = config.speculative_config
-        self.proposer = make_proposer(spec) if spec is not None else None
+        self.proposer: Proposer | None = None
+        if spec is not None and spec.method == "mtp":
+            self.proposer = DraftModelProposer(self, spec.num_speculative_tokens)
+        elif spec is not None:
+            self.proposer = make_proposer(spec)
         self.policy = (
             DraftPolicy(spec.num_speculative_tokens, spec.adaptive) if spec is not None else None
         )
@@ -272,6 +280,7 @@ class LLMEngine:
             row = self.rows.row(req.request_id)
             self.rows.updates(row, req.pages, step.page_updates)
             step.positions.extend(range(start, start + n))
+            plan.spans[i] = (t0, start, n)
             if req.draft:  # the last token, then the draft to verify, one row each
                 step.ids.extend(req.draft)
                 step.rows.extend([row] * n)
@@ -354,6 +363,8 @@ class LLMEngine:
                 out = self._own_work(live, self._emit, live, i, tokens, lps, prompt_lps)
             if out is not None:
                 outputs.append(out)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.after_step(batch, plan, emitted)
         if self.profiler is not None and self.profiler.active and step.is_decode_only:
             if self.proposer is not None:
                 drafted = sum(len(d) for d in plan.verify.values())

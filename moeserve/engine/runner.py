@@ -21,7 +21,7 @@ import torch
 from moeserve.config import EngineConfig
 from moeserve.engine.cuda_graphs import DecodeGraphs, graph_blockers
 from moeserve.engine.memory import MemoryPlan, plan_kv_pages
-from moeserve.engine.step import StepInput, iter_page_updates
+from moeserve.engine.step import DRAFT_ON_TARGET, StepInput, iter_page_updates
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.loader.base import LoadedModel
 from moeserve.parallel.groups import SINGLE, TPGroup
@@ -119,8 +119,15 @@ class ModelRunner:
         )
         # a decode batch's query starts (0, 1, 2, ...): static, so graphs copy nothing in
         self._decode_query_start = torch.arange(
-            self.max_rows + 1, dtype=torch.int32, device=self.device
+            max(self.max_rows, config.graph_max_batch(str(self.device))) + 1,
+            dtype=torch.int32,
+            device=self.device,
         )
+        # a draft model's inputs: the latest target step's final hidden states and the latest
+        # draft step's own
+        self.keep_hidden = getattr(self.model, "mtp", None) is not None
+        self.last_hidden: torch.Tensor | None = None
+        self.last_draft_hidden: torch.Tensor | None = None
         self.graph_status = ""  # one line for the start-up banner ("" on a CPU)
         self.warm_up_status = ""
         if self.device.type == "cuda":
@@ -442,11 +449,40 @@ class ModelRunner:
         return self.model(ids, positions, ForwardContext(md))
 
     @torch.inference_mode()
+    def _execute_draft(self, step: StepInput, st: StepTensors) -> torch.Tensor | None:
+        """A draft model's step (eager): its tokens with the hidden states it reads (the
+        latest target step's or the latest draft step's rows `hidden_rows`); logits of
+        `logit_rows`."""
+        source = self.last_hidden if step.draft == DRAFT_ON_TARGET else self.last_draft_hidden
+        assert source is not None, "a draft step needs the step it reads from"
+        rows = torch.tensor(step.hidden_rows, dtype=torch.long).to(self.device)
+        width = -(-max(step.seq_lens) // self.page_size)
+        md = self.metadata(
+            st.positions,
+            st.rows,
+            st.seq_lens,
+            step.query_lens,
+            step.seq_lens,
+            width,
+            query_start=st.query_start,
+            query_lens_dev=st.query_lens,
+        )
+        normed, carried = self.model.forward_draft(
+            st.ids, st.positions, source.index_select(0, rows), ForwardContext(md)
+        )
+        self.last_draft_hidden = carried
+        if not step.logit_rows:
+            return None
+        return self.model.compute_logits(normed.index_select(0, st.logit_rows))
+
+    @torch.inference_mode()
     def execute_model(self, step: StepInput) -> torch.Tensor | None:
         """Run one step; fp32 logits [len(step.logit_rows), vocab] (every rank computes them:
         the LM head is vocab-parallel), or None when no row needs logits. A `greedy` step's
         tokens also stay on the device, in `sampler`, for the next step's placeholder ids."""
         st = self._tensors(step)
+        if step.draft:
+            return self._execute_draft(step, st)
         if step.ids and min(step.ids) < 0:  # placeholders: tokens the last step sampled
             # an eager step reruns the latest one (profiling) with the tokens it was given
             src = self._fed_tokens if step.eager else self.sampler.device_tokens()
@@ -477,6 +513,8 @@ class ModelRunner:
                     torch.set_num_threads(decode_threads)
             else:
                 hidden = self.model(st.ids, st.positions, ForwardContext(md))
+        if self.keep_hidden:  # a draft model reads them next (sliced: graphs reuse buffers)
+            self.last_hidden = hidden[: step.num_tokens]
         if not step.logit_rows:
             return None
         logits = self.model.compute_logits(hidden.index_select(0, st.logit_rows))

@@ -147,6 +147,12 @@ class Scheduler:
         self.waiting.appendleft(req)
         batch.preempted.append(req)
 
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Pages for the request's first `num_tokens` positions, taken now (a draft model
+        writes there before the next step would allocate them); False, and nothing taken,
+        when too few are free. Preempts no one."""
+        return self._grow(req, num_tokens - req.num_computed)
+
     def rollback(self, req: Request, rejected: int) -> None:
         """Forget the KV rows of `rejected` draft tokens the last step computed for `req` and
         free the pages only they used. Their cache entries are overwritten when the sequence

@@ -20,7 +20,11 @@ import numpy as np
 # message kinds
 STEP = 1
 STOP = 2
-_HEADER = 8  # kind, T, B, len(page_updates), L, reserved...
+# StepInput.draft
+TARGET = 0
+DRAFT_ON_TARGET = 1
+DRAFT_ON_DRAFT = 2
+_HEADER = 8  # kind, T, B, len(page_updates), L, eager, greedy, draft
 
 
 @dataclass
@@ -38,6 +42,11 @@ class StepInput:
     # argmax on the device for the next step, whose ids may then name them: id -1-j is row
     # j's token of the previous step (a placeholder)
     greedy: bool = False
+    # a draft model's step (speculative decoding, method mtp): DRAFT_ON_TARGET reads the
+    # hidden states of the latest target step, DRAFT_ON_DRAFT those of the latest draft step,
+    # row hidden_rows[t] for token t; TARGET: the model's own step
+    draft: int = 0
+    hidden_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -49,10 +58,11 @@ class StepInput:
 
     def pack(self) -> np.ndarray:
         """One int64 array: header, then ids, positions, rows, seq_lens, query_lens,
-        page_updates, logit_rows."""
+        page_updates, logit_rows (and a draft step's hidden_rows, one per token)."""
         t, b, p, n = len(self.ids), len(self.rows), len(self.page_updates), len(self.logit_rows)
-        out = np.empty(_HEADER + 2 * t + 3 * b + p + n, dtype=np.int64)
-        out[:_HEADER] = (STEP, t, b, p, n, int(self.eager), int(self.greedy), 0)
+        h = t if self.draft else 0
+        out = np.empty(_HEADER + 2 * t + 3 * b + p + n + h, dtype=np.int64)
+        out[:_HEADER] = (STEP, t, b, p, n, int(self.eager), int(self.greedy), self.draft)
         o = _HEADER
         for part in (
             self.ids,
@@ -62,6 +72,7 @@ class StepInput:
             self.query_lens,
             self.page_updates,
             self.logit_rows,
+            self.hidden_rows if self.draft else [],
         ):
             out[o : o + len(part)] = part
             o += len(part)
@@ -70,17 +81,24 @@ class StepInput:
     @staticmethod
     def unpack(a: np.ndarray) -> StepInput | None:
         """The step in `a`, or None for a stop message."""
-        kind, t, b, p, n, eager, greedy = (int(v) for v in a[:7])
+        kind, t, b, p, n, eager, greedy, draft = (int(v) for v in a[:8])
         if kind == STOP:
             return None
         if kind != STEP:
             raise ValueError(f"unknown step message kind {kind}")
         o = _HEADER
         parts = []
-        for size in (t, t, b, b, b, p, n):
+        for size in (t, t, b, b, b, p, n, t if draft else 0):
             parts.append(a[o : o + size].tolist())
             o += size
-        return StepInput(*parts, eager=bool(eager), greedy=bool(greedy))
+        *fields_, hidden_rows = parts
+        return StepInput(
+            *fields_,
+            eager=bool(eager),
+            greedy=bool(greedy),
+            draft=draft,
+            hidden_rows=hidden_rows,
+        )
 
 
 def stop_message() -> np.ndarray:

@@ -145,6 +145,7 @@ def build_rank(cfg: EngineConfig, tp: TPGroup, device: str) -> ModelRunner:
         tp=tp,
         seed=cfg.load.seed,
         planning=Planning(settings=plan_settings(cfg, tp.size)),
+        mtp=cfg.speculative_config is not None and cfg.speculative_config.method == "mtp",
     )
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)

@@ -59,11 +59,13 @@ def load_model(
     tp=None,
     seed: int = 0,
     planning: Planning = DEFAULT_PLANNING,
+    mtp: bool = False,
 ) -> LoadedModel:
     """Load a model path; any failure is a `LoadError` of one sentence naming the path (the
     traceback is logged at debug level). Files are checked first (validate.py), so a
     corrupt header is refused before a loader reads, maps or allocates anything it declares.
-    `planning`: what the kernel plan is resolved for (moeserve.layers.kernel_plan)."""
+    `planning`: what the kernel plan is resolved for (moeserve.layers.kernel_plan); `mtp`:
+    also build and load the checkpoint's MTP module (a draft model)."""
     path = resolve_model_path(model)
     _check_cpu_kernels(planning.settings.cpu_kernels, device, dtype)
     if load_format != "dummy" or path.endswith(".gguf"):
@@ -82,6 +84,7 @@ def load_model(
             tp=tp,
             seed=seed,
             planning=planning,
+            mtp=mtp,
         )
     except LoadError:
         raise
@@ -120,8 +123,14 @@ def _load(
     tp,
     seed: int,
     planning: Planning,
+    mtp: bool = False,
 ) -> LoadedModel:
     if path.endswith(".gguf"):
+        if mtp:
+            raise LoadError(
+                "--speculative-config method mtp reads the MTP layers of HF checkpoint folders "
+                "(BF16, block-FP8); GGUF files are not supported for it yet"
+            )
         from moeserve.loader.gguf import load_gguf_model
 
         return load_gguf_model(
@@ -150,4 +159,5 @@ def _load(
         load_format=load_format,
         seed=seed,
         planning=planning,
+        mtp=mtp,
     )

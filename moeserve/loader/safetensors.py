@@ -224,6 +224,7 @@ def load_safetensors_model(
     stats: ReadStats | None = None,
     seed: int = 0,
     planning: Planning = DEFAULT_PLANNING,
+    mtp: bool = False,
 ) -> LoadedModel:
     """Build the model of an HF checkpoint folder on `device` and load this rank's slices of
     its weights in their stored format (each slice read once, straight into its parameter;
@@ -235,6 +236,11 @@ def load_safetensors_model(
     except ConfigError as e:
         raise LoadError(str(e)) from None
     cfg, quant = src.config, src.quant
+    if mtp:
+        try:
+            cfg = cfg.with_mtp()
+        except ConfigError as e:
+            raise LoadError(str(e)) from None
     if num_layers is not None:
         cfg = cfg.with_layers(num_layers)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, src.kv_cache_quant_algo, dtype)

@@ -29,6 +29,7 @@ from moeserve.config import ModelConfig
 from moeserve.layers.attention.metadata import ForwardContext
 from moeserve.layers.attention.mla import MLAAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from moeserve.layers.linear import ReplicatedLinear
 from moeserve.layers.moe import DeepseekMLP, DeepseekMoE
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.quant.base import QuantConfig
@@ -85,6 +86,47 @@ class DeepseekV3DecoderLayer(PreNormDecoderLayer):
             )
 
 
+class DeepseekMTPLayer(DeepseekV3DecoderLayer):
+    """DeepSeek-V3's multi-token prediction module, served as a draft model: at position i it
+    reads the target's final hidden state h_i and the embedding of token i + 1 and predicts
+    token i + 2. Its decoder block is a MoE layer like the others (checkpoint layer
+    `cfg.mtp_index`); the embedding and output head are the main model's (DeepSeek shares
+    them; copies in the checkpoint are skipped)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        quant: QuantConfig | None,
+        tp: TPGroup,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__(cfg, cfg.mtp_index, rotary, quant, tp, dtype)
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        # BF16 in the published checkpoints (outside the FP8 quantization)
+        self.eh_proj = ReplicatedLinear(
+            2 * h, h, prefix=f"model.layers.{cfg.mtp_index}.eh_proj", tp=tp, dtype=dtype
+        )
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+
+    def predict(
+        self,
+        embedded: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed output for the LM head, un-normed output for the next draft step)."""
+        # the token embedding at position 0 is not used by the module (as in vLLM)
+        embedded = torch.where((positions == 0)[:, None], 0.0, embedded)
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        x, residual = self(positions, x, None, ctx)
+        return reduce_add_norm(self.shared_head.norm, x, residual, self.tp, partial=True)
+
+
 class DeepseekV3Model(nn.Module):
     def __init__(
         self, cfg: ModelConfig, quant: QuantConfig | None, tp: TPGroup, dtype: torch.dtype
@@ -137,6 +179,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = (
+            DeepseekMTPLayer(cfg, self.model.rotary, quant, tp, dtype)
+            if cfg.mtp_index >= 0
+            else None
+        )
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -146,8 +193,20 @@ class DeepseekV3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def forward_draft(
+        self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP module on tokens `ids` (token i + 1 at position i) and the hidden states
+        `hidden` (the target's at position i, or the module's own previous output): (hidden
+        for the LM head, hidden for the next draft step)."""
+        assert self.mtp is not None
+        return self.mtp.predict(self.model.embed_tokens(ids), positions, hidden, ctx)
+
     def attention_layers(self) -> list[MLAAttention]:
-        return [layer.self_attn for layer in self.model.layers]
+        layers = [layer.self_attn for layer in self.model.layers]
+        if self.mtp is not None:  # the draft module's latent cache, on the same pages
+            layers.append(self.mtp.self_attn)
+        return layers
 
     # ---- weights -------------------------------------------------------------------------------
     def checkpoint_name_to_model(self, name: str) -> str | None:
@@ -175,9 +234,15 @@ class DeepseekV3ForCausalLM(nn.Module):
                 skipped["other"] += 1
                 continue
             m = _LAYER.match(name)
-            if m and int(m.group(1)) >= n_layers:
-                skipped["layers"] += 1  # MTP layers, or layers cut by --num-layers
-                continue
+            layer = self.model.layers[int(m.group(1))] if m and int(m.group(1)) < n_layers else None
+            if m and layer is None:
+                if int(m.group(1)) != self.config.mtp_index or self.mtp is None:
+                    skipped["layers"] += 1  # MTP layers, or layers cut by --num-layers
+                    continue
+                if name.endswith((".embed_tokens.weight", ".shared_head.head.weight")):
+                    skipped["layers"] += 1  # the main model's (shared), stored again
+                    continue
+                name, layer = "mtp." + name[m.end() :], self.mtp
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             if _KV_SCALE.search(name):
@@ -198,12 +263,12 @@ class DeepseekV3ForCausalLM(nn.Module):
                 )
                 continue
             shared = _SHARED.search(name)
-            moe = self.model.layers[int(m.group(1))].mlp if shared and m else None
+            moe = layer.mlp if shared and layer is not None else None
             if getattr(moe, "shared_slots", 0):
                 yield from self._shared_slot_shards(name, shared, moe, tensor)
                 continue
             g = _GATE_UP.search(name)
-            if g and m and self._merged_mlp(int(m.group(1)), bool(g.group(1))):
+            if g and layer is not None and self._merged_mlp(layer, bool(g.group(1))):
                 merged = name.replace(g.group(0), g.group(0).replace(g.group(2), "gate_up_proj"))
                 yield merged, tensor, _GATE_UP_SHARD[g.group(2)]
                 continue
@@ -217,16 +282,17 @@ class DeepseekV3ForCausalLM(nn.Module):
                 yield name.replace("down_proj", "w2.weight"), tensor, (None, 0)
                 continue
             a = _QKV_A.search(name)
-            if a and m and self.attention_layers()[int(m.group(1))].fused_qkv_a_proj is not None:
+            if a and layer is not None and layer.self_attn.fused_qkv_a_proj is not None:
                 fused = name.replace(a.group(0), ".self_attn.fused_qkv_a_proj.")
                 yield fused, tensor, _QKV_A_SHARD[a.group(1)]
                 continue
             yield name, tensor, None
 
-    def _merged_mlp(self, layer: int, shared: bool) -> bool:
-        """Whether layer `layer`'s dense MLP (or its separate shared-expert MLP) holds gate
-        and up as one `gate_up_proj`."""
-        mlp = self.model.layers[layer].mlp
+    @staticmethod
+    def _merged_mlp(layer: nn.Module, shared: bool) -> bool:
+        """Whether `layer`'s dense MLP (or its separate shared-expert MLP) holds gate and up
+        as one `gate_up_proj`."""
+        mlp = layer.mlp
         if shared:
             mlp = getattr(mlp, "shared_experts", None)
         return getattr(mlp, "gate_up_proj", None) is not None

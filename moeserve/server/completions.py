@@ -35,8 +35,9 @@ class CompletionChoiceStream(ChoiceStream):
         echo: bool,
         formatter: LogprobFormatter,
         top_logprobs: int | None,
+        prompt_index: int = 0,
     ) -> None:
-        super().__init__(index)
+        super().__init__(index, prompt_index)
         self.prompt = prompt
         self.echo = echo
         self.formatter = formatter
@@ -107,7 +108,7 @@ async def completions(st: ServerState, req: CompletionRequest, raw: Request) -> 
             )
             subs.append(SubRequest(index, f"{request_id}-{index}", prompt.ids, params))
             choices.append(
-                CompletionChoiceStream(index, prompt, req.echo, st.logprobs, req.logprobs)
+                CompletionChoiceStream(index, prompt, req.echo, st.logprobs, req.logprobs, p_idx)
             )
     if req.echo:
         await anyio.to_thread.run_sync(st.prompts.decode_echoes, prompts)

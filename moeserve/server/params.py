@@ -18,9 +18,12 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     skip_special_tokens: bool | None = None,
+    extra_stop: tuple[str, ...] = (),
+    extra_stop_token_ids: tuple[int, ...] = (),
 ) -> SamplingParams:
     """The engine's parameters of one choice (`max_tokens` None: what the context leaves);
-    a bad combination is a 400 naming its field."""
+    a bad combination is a 400 naming its field. `extra_stop*`: where the server itself
+    ends the generation, besides the request's own stops."""
     optional = {
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -35,8 +38,8 @@ def sampling_params(
             max_tokens=max_tokens,
             seed=seed,
             logit_bias=req.logit_bias_ids,
-            stop=tuple(req.stop or ()),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
+            stop=(*(req.stop or ()), *extra_stop),
+            stop_token_ids=(*(req.stop_token_ids or ()), *extra_stop_token_ids),
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,
             logprobs=logprobs,

@@ -8,15 +8,26 @@ the same parsers over the whole text, so both paths agree by construction.
 Parsers are chosen by name (`--reasoning-parser`, `--tool-call-parser`):
 - reasoning: "kimi_k2" (`<think>...</think>`, reasoning also ends at the tool-call
   section), "deepseek_r1" (`<think>...</think>`), "none".
-- tools: "kimi_k2"
-  (`<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
+- tools: "kimi_k2" (Kimi-K2 and K2.5 write the same markers:
+  `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
   <|tool_call_argument_begin|>{json}<|tool_call_end|>...<|tool_calls_section_end|>`), "none".
+
+Where the model's tokenizer has a tool-call marker as one token of its own, the marker
+counts only when the model produced that token (`MarkerTokens`): the same characters
+written as ordinary text, e.g. a model quoting the format, stay text.
+
+A turn that must call a tool (tool_choice "required" or a named function) starts inside
+the tool-call section: the server appends `forced_call_prefix` to the prompt (after closing
+an open reasoning block), and the tool-call parser resumes from that prefix.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 NONE_PARSER = "none"
 
@@ -41,6 +52,40 @@ def _partial_suffix_len(text: str, markers: tuple[str, ...]) -> int:
                 longest = k
                 break
     return longest
+
+
+class MarkerTokens:
+    """Which marker strings the model produced as their own special tokens.
+
+    Text and token ids arrive together, ids never after the text they decode to, so each id
+    seen is a credit for one occurrence of its marker in the text; a gated marker (one the
+    tokenizer has a token for) is recognised only while it has credit. Markers without a
+    token of their own are always recognised."""
+
+    def __init__(self, marker_ids: Mapping[int, str]) -> None:
+        self._marker_of = dict(marker_ids)
+        self._gated = frozenset(marker_ids.values())
+        self._credit: Counter[str] = Counter()
+
+    def see(self, token_ids: Iterable[int]) -> None:
+        for t in token_ids:
+            marker = self._marker_of.get(t)
+            if marker is not None:
+                self._credit[marker] += 1
+
+    def allows(self, marker: str) -> bool:
+        return marker not in self._gated or self._credit[marker] > 0
+
+    def allowed(self, markers: Iterable[str]) -> tuple[str, ...]:
+        return tuple(m for m in markers if self.allows(m))
+
+    def take(self, marker: str) -> None:
+        """The parser consumed one occurrence of `marker`."""
+        if marker in self._gated:
+            self._credit[marker] -= 1
+
+
+UNGATED = MarkerTokens({})  # every marker recognised: text-only parsing
 
 
 # ----------------------------------------------------------------------------- reasoning
@@ -80,6 +125,8 @@ class ReasoningParser:
         self.fmt = fmt
         self._state = self._REASONING if in_reasoning else self._PRE
         self._buf = ""
+        # the implicit ends are tool-call markers: recognised as the tool parser does
+        self.markers = UNGATED
 
     def feed(self, text: str) -> tuple[str, str]:
         """Consume a delta; returns the (reasoning, content) that can be emitted now."""
@@ -101,9 +148,10 @@ class ReasoningParser:
                 else:
                     self._state = self._CONTENT
             else:  # reasoning: look for its end
-                hit = _find_first(self._buf, (self.fmt.end, *self.fmt.implicit_ends))
+                ends = (self.fmt.end, *self.markers.allowed(self.fmt.implicit_ends))
+                hit = _find_first(self._buf, ends)
                 if hit is None:
-                    keep = _partial_suffix_len(self._buf, (self.fmt.end, *self.fmt.implicit_ends))
+                    keep = _partial_suffix_len(self._buf, ends)
                     reasoning.append(self._buf[: len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep :]
                     break
@@ -150,6 +198,26 @@ class KimiToolFormat:
     argument_begin: str = "<|tool_call_argument_begin|>"
     call_end: str = "<|tool_call_end|>"
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return (
+            *self.section_begins,
+            *self.section_ends,
+            self.call_begin,
+            self.argument_begin,
+            self.call_end,
+        )
+
+    def call_prefix(self, name: str | None, index: int) -> str:
+        """The start of a tool call the server writes for the model: the section and one
+        call opened, and for a named function its header too (`functions.NAME:IDX`, the id
+        Kimi's templates give the IDX-th call of a conversation), so that the model writes
+        only the arguments."""
+        prefix = self.section_begins[0] + self.call_begin
+        if name is not None:
+            prefix += f"functions.{name}:{index}{self.argument_begin}"
+        return prefix
+
 
 TOOL_FORMATS: MappingProxyType[str, KimiToolFormat] = MappingProxyType(
     {"kimi_k2": KimiToolFormat()}
@@ -182,11 +250,24 @@ class ToolCallParser:
         self._buf = ""
         self._index = -1  # index of the call being parsed
         self.calls: list[ToolCall] = []
+        self.markers = UNGATED
+        self._pending: list[ToolCallDelta] = []  # from a resumed prefix, sent with the next
+
+    def resume(self, prefix: str) -> None:
+        """Continue after `prefix`, the start of a tool call the server wrote into the prompt
+        (`KimiToolFormat.call_prefix`): its markers are the server's own, so they count
+        whatever the token ids say; a call it opened is announced with the next output."""
+        markers, self.markers = self.markers, UNGATED
+        try:
+            self._pending = self.feed(prefix).deltas  # what was pending comes first in it
+        finally:
+            self.markers = markers
 
     def feed(self, text: str) -> ToolParseResult:
         f = self.fmt
         self._buf += text
         out = ToolParseResult()
+        out.deltas, self._pending = self._pending, []
         content: list[str] = []
         while self._buf:
             if self._state == self._CONTENT:
@@ -194,19 +275,24 @@ class ToolCallParser:
                     break
                 self._state = self._SECTION
             elif self._state == self._SECTION:
-                hit = _find_first(self._buf, (f.call_begin, *f.section_ends))
+                ends = self.markers.allowed((f.call_begin, *f.section_ends))
+                hit = _find_first(self._buf, ends)
                 if hit is None:
                     # whitespace between calls is dropped; keep a possible partial marker
-                    keep = _partial_suffix_len(self._buf, (f.call_begin, *f.section_ends))
+                    keep = _partial_suffix_len(self._buf, ends)
                     self._buf = self._buf[len(self._buf) - keep :]
                     break
                 pos, marker = hit
+                self.markers.take(marker)
                 self._buf = self._buf[pos + len(marker) :]
                 self._state = self._HEADER if marker == f.call_begin else self._CONTENT
             elif self._state == self._HEADER:
+                if not self.markers.allows(f.argument_begin):
+                    break
                 pos = self._buf.find(f.argument_begin)
                 if pos < 0:
                     break
+                self.markers.take(f.argument_begin)
                 header = self._buf[:pos].strip()
                 self._buf = self._buf[pos + len(f.argument_begin) :]
                 self._index += 1
@@ -227,6 +313,7 @@ class ToolCallParser:
     def _emit_until(self, markers: tuple[str, ...], sink: list[str]) -> bool:
         """Move buffered text before the first marker into sink and drop the marker.
         Returns True when no marker was found (the buffer then only holds a partial one)."""
+        markers = self.markers.allowed(markers)
         hit = _find_first(self._buf, markers)
         if hit is None:
             keep = _partial_suffix_len(self._buf, markers)
@@ -234,6 +321,7 @@ class ToolCallParser:
             self._buf = self._buf[len(self._buf) - keep :]
             return True
         pos, marker = hit
+        self.markers.take(marker)
         sink.append(self._buf[:pos])
         self._buf = self._buf[pos + len(marker) :]
         return False
@@ -251,6 +339,7 @@ class ToolCallParser:
         """End of generation: a partial marker in content is content; unfinished
         arguments are emitted as they are; an unfinished header is dropped."""
         out = ToolParseResult()
+        out.deltas, self._pending = self._pending, []
         buf, self._buf = self._buf, ""
         if self._state == self._CONTENT:
             out.content = buf
@@ -291,6 +380,29 @@ class ChatOutputParser:
     @property
     def tool_calls(self) -> list[ToolCall]:
         return self.tools.calls if self.tools is not None else []
+
+    def use_marker_tokens(self, marker_ids: Mapping[int, str]) -> None:
+        """Recognise these markers (token id -> marker) only when the model produced their
+        token; call `see_tokens` with each output's ids before feeding its text."""
+        ledger = MarkerTokens(marker_ids)
+        if self.reasoning is not None:
+            self.reasoning.markers = ledger
+        if self.tools is not None:
+            self.tools.markers = ledger
+
+    def see_tokens(self, token_ids: Iterable[int]) -> None:
+        # both parsers share one ledger: the reasoning parser only looks, the tool parser
+        # consumes
+        if self.tools is not None:
+            self.tools.markers.see(token_ids)
+        elif self.reasoning is not None:
+            self.reasoning.markers.see(token_ids)
+
+    def resume_tool_call(self, prefix: str) -> None:
+        """The prompt ends with `prefix`, the start of a tool call (see `ToolCallParser.
+        resume`)."""
+        if self.tools is not None and prefix:
+            self.tools.resume(prefix)
 
     def feed(self, text: str) -> ChatDelta:
         return self._step(text, final=False)
@@ -333,6 +445,35 @@ def reasoning_starts_open(fmt: ReasoningFormat, prompt_text: str) -> bool:
     prompt ends with an unclosed start marker, as in Kimi/DeepSeek thinking modes)."""
     tail = prompt_text.rstrip()
     return tail.endswith(fmt.start)
+
+
+def reasoning_close(parser_name: str | None, prompt_text: str) -> str:
+    """The end marker that closes the reasoning block the prompt leaves open, else ''
+    (`parser_name`: a reasoning or tool-call parser's, whose family sets the markers)."""
+    fmt = REASONING_FORMATS.get(parser_name or "")
+    return fmt.end if fmt is not None and reasoning_starts_open(fmt, prompt_text) else ""
+
+
+def forced_call_prefix(tool_parser: str, name: str | None, index: int) -> str:
+    """What the server appends to a prompt (after `reasoning_close`) so that the turn is a
+    tool call: of any function (`name` None, tool_choice "required"), or of `name`."""
+    return TOOL_FORMATS[tool_parser].call_prefix(name, index)
+
+
+def call_end_marker(tool_parser: str) -> str:
+    return TOOL_FORMATS[tool_parser].call_end
+
+
+def marker_token_ids(tool_parser: str | None, tokenizer: Any) -> dict[int, str]:
+    """The tool-call markers the tokenizer has a token of its own for: token id -> marker."""
+    if not tool_parser or tool_parser == NONE_PARSER:
+        return {}
+    ids: dict[int, str] = {}
+    for marker in TOOL_FORMATS[tool_parser].markers:
+        encoded = list(tokenizer.encode(marker, add_special_tokens=False))
+        if len(encoded) == 1 and tokenizer.decode(encoded, skip_special_tokens=False) == marker:
+            ids[encoded[0]] = marker
+    return ids
 
 
 REASONING_PARSER_NAMES = (*REASONING_FORMATS, NONE_PARSER)  # for --reasoning-parser choices

@@ -8,6 +8,7 @@ thread, off the event loop.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +91,11 @@ class PromptBuilder:
                 param=param,
             )
 
-    def chat(self, req: ChatCompletionRequest) -> Prompt:
+    def chat(
+        self, req: ChatCompletionRequest, suffix: Callable[[str], str] | None = None
+    ) -> Prompt:
+        """The rendered chat, tokenized; `suffix(text)`, if given, is what the server appends
+        to the rendered text first (the start of a tool call it makes the model write)."""
         text = self.render_chat(
             req.messages,
             req.tools,
@@ -98,6 +103,8 @@ class PromptBuilder:
             req.continue_final_message,
             req.chat_template_kwargs,
         )
+        if suffix is not None:
+            text += suffix(text)
         # the template wrote the special tokens the model expects
         return Prompt(
             self.encode(text, add_special_tokens=False, param="messages"), text, "messages"

@@ -20,6 +20,7 @@ from moeserve.sampling import MAX_LOGIT_BIAS, SEED_MAX, SEED_MIN
 
 MAX_N = 128  # OpenAI's limit on choices per request
 MAX_LOGPROBS = 20  # SamplingParams.MAX_LOGPROBS; kept equal by a test
+NAMED_TOOL_CHOICE = '{"type": "function", "function": {"name": ...}}'
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -244,16 +245,43 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs a final assistant message")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ValueError(
-                "tool_choice 'required' or a named function is not supported; use 'auto' or 'none'"
-            )
+        self._check_tool_choice()
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError(
                 f"response_format of type {self.response_format.get('type')!r} "
                 "is not supported by this server"
             )
         return self
+
+    def _check_tool_choice(self) -> None:
+        """tool_choice is "none", "auto", "required" or {"type": "function", "function":
+        {"name": N}} with N one of the declared tools (vLLM's rules); each message starts
+        with the field it blames, which the 400 then names."""
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or []]
+        if choice is None or choice in ("none", "auto"):
+            return
+        if isinstance(choice, str):
+            if choice != "required":
+                raise ValueError(
+                    f"tool_choice must be 'none', 'auto', 'required' or a named function "
+                    f"{NAMED_TOOL_CHOICE}, not {choice!r}"
+                )
+            if not names:
+                raise ValueError("tool_choice 'required' needs at least one function in tools")
+            return
+        if choice.get("type", "function") != "function":
+            raise ValueError(f"tool_choice.type must be 'function': {NAMED_TOOL_CHOICE}")
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tool_choice.function.name must name a function: {NAMED_TOOL_CHOICE}")
+        if name not in names:
+            declared = ", ".join(repr(n) for n in names) if names else "none"
+            raise ValueError(
+                f"tool_choice.function.name {name!r} is not one of the functions in tools "
+                f"(declared: {declared})"
+            )
 
     @property
     def output_limit(self) -> int | None:
@@ -264,6 +292,24 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function a named tool_choice makes the model call (checked to be a tool)."""
+        if isinstance(self.tool_choice, dict):
+            return self.tool_choice["function"]["name"]
+        return None
+
+    @property
+    def requires_tool_call(self) -> bool:
+        """tool_choice "required" or a named function: the turn must be a tool call."""
+        return self.tool_choice == "required" or self.forced_tool is not None
+
+    @property
+    def earlier_tool_calls(self) -> int:
+        """Tool calls the conversation's assistant turns made so far (the next call's
+        `functions.NAME:IDX` index continues from it)."""
+        return sum(len(m.tool_calls or []) for m in self.messages if m.role == "assistant")
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -324,17 +370,23 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 from moeserve.config import ServerConfig
 from moeserve.engine.errors import EngineInputError
 from moeserve.sampling import SamplingParams
+from moeserve.server import parsers
 from moeserve.server.errors import ApiError, from_engine
 from moeserve.server.generation import GenerationGroup, QueueCounter, SubRequest
 from moeserve.server.logprobs import LogprobFormatter
@@ -34,10 +35,17 @@ class ServerState:
     draining: bool = False  # SIGTERM received: running requests finish, new ones get 503
     prompts: PromptBuilder = field(init=False)
     logprobs: LogprobFormatter = field(init=False)
+    # the tool-call markers the model has tokens of its own for: token id -> marker
+    tool_marker_ids: dict[int, str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompts = PromptBuilder(self.engine.tokenizer)
         self.logprobs = LogprobFormatter(self.engine.tokenizer)
+        self.tool_marker_ids = parsers.marker_token_ids(self.tool_parser, self.engine.tokenizer)
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return self.tool_parser not in (None, parsers.NONE_PARSER)
 
     @property
     def tokenizer(self) -> Any:

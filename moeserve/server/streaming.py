@@ -52,9 +52,11 @@ def sse(obj: Any) -> str:
 class ChoiceStream(ABC):
     """One OpenAI choice, fed the outputs of its engine request in order."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, prompt_index: int = 0) -> None:
         self.index = index
+        self.prompt_index = prompt_index  # which of the request's prompts it continues
         self.num_tokens = 0
+        self.num_cached_tokens = 0  # its prompt's tokens the prefix cache served
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.started = False
@@ -69,6 +71,7 @@ class ChoiceStream(ABC):
         nothing a client could see."""
         first, self.started = not self.started, True
         self.num_tokens += len(out.token_ids)
+        self.num_cached_tokens = out.num_cached_tokens  # a preempted request matches again
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         return self._piece(out, first)
@@ -93,7 +96,20 @@ class Answer:
     prompt_tokens: int  # each prompt once, however many choices share it
 
     def usage(self) -> UsageInfo:
-        return UsageInfo.of(self.prompt_tokens, sum(c.num_tokens for c in self.choices))
+        return UsageInfo.of(
+            self.prompt_tokens, sum(c.num_tokens for c in self.choices), self.cached_tokens()
+        )
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, each prompt counted once as in
+        `prompt_tokens`: for a prompt shared by n choices, what all of them found cached (so
+        a prompt new to the server counts 0 even when one choice reused another's pages)."""
+        per_prompt: dict[int, int] = {}
+        for c in self.choices:
+            if c.started:
+                seen = per_prompt.get(c.prompt_index, c.num_cached_tokens)
+                per_prompt[c.prompt_index] = min(seen, c.num_cached_tokens)
+        return sum(per_prompt.values())
 
     async def events(
         self, outputs: AsyncIterator[tuple[int, RequestOutput]], options: StreamOptions | None

@@ -28,5 +28,5 @@ def make_proposer(cfg: SpeculativeConfig) -> Proposer:
         return SuffixProposer.from_config(cfg)
     raise ConfigError(
         f"--speculative-config: method {cfg.method!r} (a draft model) is not available yet; "
-        "use ngram or suffix"
+        "use ngram, suffix or mtp"
     )

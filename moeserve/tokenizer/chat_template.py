@@ -20,8 +20,19 @@ def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **_: Any) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+def _tojson(
+    value: Any,
+    indent: int | None = None,
+    ensure_ascii: bool = False,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+    **_: Any,
+) -> str:
+    # transformers' filter takes the same keywords: templates write
+    # `tools | tojson(separators=(',', ':'))` and expect compact JSON
+    return json.dumps(
+        value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys
+    )
 
 
 @lru_cache(maxsize=8)

@@ -7,7 +7,7 @@ case classes and English contractions, 1-3 digits, punctuation runs, newlines, s
 Special tokens in the text are encoded as single ids (the reference allows all of them).
 Nothing from the checkpoint folder is executed.
 
-Chat format (rendered here, not by the folder's Jinja template):
+Chat formats (rendered here, never by the folder's Jinja template). Kimi-K2's:
     [<|im_system|>tool_declare<|im_middle|>{tools json}<|im_end|>]
     <|im_system|>system<|im_middle|>{system or the default}<|im_end|>
     <|im_user|>user<|im_middle|>{content}<|im_end|>
@@ -20,6 +20,16 @@ Chat format (rendered here, not by the folder's Jinja template):
 Assistant turns before the last user turn keep an empty `<think></think>`; later ones (the
 current tool-calling round) keep their reasoning. Tool call ids default to
 `functions.NAME:IDX`.
+
+Kimi-K2.5's (`render_kimi_k25_chat`), exactly what its published chat_template.jinja renders;
+a checkpoint gets it when its chat template takes `tools_ts_str`. It differs from K2's in:
+tools declared as a TypeScript namespace (`kimi_tools.py`), compact sorted JSON only when a
+schema cannot be written so; no default system turn; every turn's role name is the
+message's `name` when it has one (tool results too); turns up to the last assistant answer
+without tool calls lose their reasoning, later ones (the current tool-calling round) keep
+it; with `thinking=False` every kept reasoning is dropped too and the generation prompt ends
+`<think></think>`; tool-call ids and contents are written as given (content holding
+`<think>` is not split).
 """
 
 from __future__ import annotations
@@ -30,6 +40,12 @@ import os
 from typing import Any
 
 import tiktoken
+
+from moeserve.tokenizer.kimi_tools import (
+    ToolDeclarationError,
+    sort_keys_deep,
+    typescript_tool_declarations,
+)
 
 PAT_STR = "|".join(
     [
@@ -45,6 +61,10 @@ PAT_STR = "|".join(
 )
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 NUM_RESERVED_SPECIAL_TOKENS = 256
+KIMI_K2 = "kimi-k2"
+KIMI_K25 = "kimi-k2.5"
+# what Kimi-K2.5's template reads its TypeScript tool declarations from
+K25_TEMPLATE_MARK = "tools_ts_str"
 
 
 def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
@@ -110,7 +130,10 @@ class KimiTokenizer:
         self.pad_token = _token_str(cfg.get("pad_token"))
         self.bos_token_id = specials.get(self.bos_token)
         self.eos_token_id = specials.get(self.eos_token)
-        self.chat_template = cfg.get("chat_template") or "kimi"
+        template = _folder_template(cfg.get("chat_template"), folder)
+        self.chat_template = template or "kimi"
+        # the checkpoint's own template says which format its model was trained on
+        self.chat_format = KIMI_K25 if template and K25_TEMPLATE_MARK in template else KIMI_K2
 
     # ---- text <-> ids ----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -147,8 +170,24 @@ class KimiTokenizer:
         add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> str:
-        thinking = kwargs.get("thinking", kwargs.get("enable_thinking", True))
-        return render_kimi_chat(messages, tools, add_generation_prompt, bool(thinking))
+        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", True)))
+        if self.chat_format == KIMI_K25:
+            return render_kimi_k25_chat(messages, tools, add_generation_prompt, thinking)
+        return render_kimi_chat(messages, tools, add_generation_prompt, thinking)
+
+
+def _folder_template(value: Any, folder: str) -> str | None:
+    """The checkpoint's chat template: tokenizer_config.json's, else chat_template.jinja."""
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default") or next(iter(named.values()), None)
+    if isinstance(value, str) and value:
+        return value
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    return None
 
 
 def _tool_calls(calls: list[dict[str, Any]]) -> str:
@@ -207,6 +246,83 @@ def render_kimi_chat(
             parts.append(f"<|im_system|>tool<|im_middle|>## Return of {cid}\n{content}<|im_end|>")
         else:
             raise ValueError(f"unsupported chat role {role!r}")
+    if add_generation_prompt:
+        parts.append("<|im_assistant|>assistant<|im_middle|>")
+        parts.append("<think>" if thinking else "<think></think>")
+    return "".join(parts)
+
+
+# ----------------------------------------------------------------------------- Kimi-K2.5
+
+
+def kimi_k25_tool_declaration(tools: list[dict[str, Any]]) -> str:
+    """The body of K2.5's `tool_declare` turn: the TypeScript namespace, or the tools as
+    compact JSON when a schema cannot be written as TypeScript (both of the tools with their
+    keys sorted, as the checkpoint's tokenizer hands them to the template)."""
+    tools = sort_keys_deep(tools)
+    try:
+        declared = typescript_tool_declarations(tools)
+    except ToolDeclarationError:
+        declared = ""
+    return declared or json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
+
+
+def _k25_tool_calls(calls: list[dict[str, Any]]) -> str:
+    out = ["<|tool_calls_section_begin|>"]
+    for call in calls:
+        fn = call.get("function") or {}
+        args = fn.get("arguments", "")
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        cid = call.get("id") or ""
+        out.append(f"<|tool_call_begin|>{cid}<|tool_call_argument_begin|>{args}<|tool_call_end|>")
+    out.append("<|tool_calls_section_end|>")
+    return "".join(out)
+
+
+def render_kimi_k25_chat(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    thinking: bool = True,
+) -> str:
+    """Kimi-K2.5's prompt, as its published chat template renders it (see the module's
+    docstring for what differs from K2's)."""
+    parts: list[str] = []
+    if tools:
+        parts.append(
+            f"<|im_system|>tool_declare<|im_middle|>{kimi_k25_tool_declaration(tools)}<|im_end|>"
+        )
+    # the last finished answer: reasoning before it is history, after it the current round
+    answered = max(
+        (
+            i
+            for i, m in enumerate(messages)
+            if m.get("role") == "assistant" and not m.get("tool_calls")
+        ),
+        default=-1,
+    )
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        name = m.get("name") or role
+        content = _content_text(m.get("content"))
+        if role == "user":
+            head = f"<|im_user|>{name}<|im_middle|>"
+        elif role == "assistant":
+            head = f"<|im_assistant|>{name}<|im_middle|>"
+        else:
+            head = f"<|im_system|>{name}<|im_middle|>"
+        if role == "assistant":
+            kept = thinking and i > answered
+            reasoning = (m.get("reasoning_content") or "") if kept else ""
+            body = f"<think>{reasoning}</think>{content}"
+            if m.get("tool_calls"):
+                body += _k25_tool_calls(m["tool_calls"])
+        elif role == "tool":
+            body = f"## Return of {m.get('tool_call_id') or ''}\n{content}"
+        else:
+            body = content
+        parts.append(f"{head}{body}<|im_end|>")
     if add_generation_prompt:
         parts.append("<|im_assistant|>assistant<|im_middle|>")
         parts.append("<think>" if thinking else "<think></think>")

@@ -120,6 +120,24 @@ def test_tp2_speculative_decoding_matches_single_process(cli_server, checkpoints
     server.close()
 
 
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
+def test_tp2_mtp_drafts_match_single_process(cli_server, checkpoints, ep):
+    """DeepSeek's MTP layer as the draft model under tensor parallelism: its catch-up and
+    chained draft steps go to every rank like target steps."""
+    path, want = checkpoints["deepseek-fp8"]
+    spec = '{"method": "mtp", "num_speculative_tokens": 2, "adaptive": false}'
+    extra = ["--enable-expert-parallel"] if ep else []
+    server = cli_server(
+        path, "-tp", "2", *extra, "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "256", "--threads", "1", "--speculative-config", spec,
+    )  # fmt: skip
+    assert _completions(server.base_url) == want
+    metrics = httpx.get(server.base_url + "/metrics").text
+    drafted = [ln for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode_num_drafts")]
+    assert drafted and int(drafted[0].split()[-1]) > 0, metrics[-1500:]
+    server.close()
+
+
 def test_a_dying_rank_stops_the_server_with_one_line(cli_server, checkpoints):
     path, _ = checkpoints["kimi-nvfp4"]
     server = cli_server(path, "-tp", "2", "--device", "cpu", "--dtype", "float32",

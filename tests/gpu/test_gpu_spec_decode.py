@@ -58,6 +58,17 @@ def test_deterministic_speculative_equals_plain(checkpoints, name, method):
     assert llm.engine.metrics.spec.drafts > 0
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_deterministic_mtp_equals_plain(checkpoints, k):
+    """DeepSeek's MTP layer drafting (catch-up and chained draft steps eager, target verify
+    steps in CUDA graphs)."""
+    path = checkpoints["deepseek-v3-fp8"]
+    want, _ = _run(path, None, True)
+    got, llm = _run(path, {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}, True)
+    assert got == want
+    assert llm.engine.metrics.spec.drafts > 0
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_default_kernels_speculative_report(checkpoints, name):
     want, _ = _run(checkpoints[name], None, False)

@@ -83,6 +83,7 @@ def test_chat_non_stream_usage_and_content(client):
         "prompt_tokens": n_prompt,
         "completion_tokens": 6,
         "total_tokens": n_prompt + 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     rid, prompt_ids, params = client.engine.requests[0]
     assert rid == body["id"] + "-0"
@@ -114,6 +115,7 @@ def test_chat_stream_protocol(client):
         "prompt_tokens": n_prompt,
         "completion_tokens": 5,
         "total_tokens": n_prompt + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 

@@ -164,7 +164,12 @@ def test_answer_events_with_continuous_usage():
     got = [([ch["index"] for ch in c["choices"]], c["usage"]["completion_tokens"]) for c in chunks]
     # a choice's role chunk carries the count before its first output; then totals so far
     assert got == [([0], 0), ([0], 2), ([1], 2), ([1], 3), ([0], 4), ([1], 5), ([], 5)]
-    assert chunks[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 5,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_answer_events_without_usage():
