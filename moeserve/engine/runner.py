@@ -106,6 +106,11 @@ class ModelRunner:
         model_len = loaded.config.context_len(config.scheduler.max_model_len)
         self.max_rows = config.scheduler.max_num_seqs
         self.graphs: DecodeGraphs | None = None
+        # a draft model's inputs: the latest target step's final hidden states and the latest
+        # draft step's own
+        self.keep_hidden = getattr(self.model, "mtp", None) is not None
+        self.last_hidden: torch.Tensor | None = None
+        self.last_draft_hidden: torch.Tensor | None = None
         self._staging = Staging(self.device)
         self.prefill_threads = self._prefill_threads()  # before the profiling step below
         self.memory = self._plan_memory(loaded, model_len)
@@ -123,11 +128,6 @@ class ModelRunner:
             dtype=torch.int32,
             device=self.device,
         )
-        # a draft model's inputs: the latest target step's final hidden states and the latest
-        # draft step's own
-        self.keep_hidden = getattr(self.model, "mtp", None) is not None
-        self.last_hidden: torch.Tensor | None = None
-        self.last_draft_hidden: torch.Tensor | None = None
         self.graph_status = ""  # one line for the start-up banner ("" on a CPU)
         self.warm_up_status = ""
         if self.device.type == "cuda":

@@ -58,7 +58,8 @@ class PromptBuilder:
             dicts = [m.to_template() for m in messages]
         except ValueError as e:
             raise ApiError(f"Invalid messages: {e}.", param="messages") from e
-        tool_dicts = [t.model_dump() for t in tools] if tools else None
+        # the tools as the client wrote them: fields it left out are not null in the prompt
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
             text = self.tokenizer.apply_chat_template(
                 dicts,

@@ -27,7 +27,7 @@ tools declared as a TypeScript namespace (`kimi_tools.py`), compact sorted JSON 
 schema cannot be written so; no default system turn; every turn's role name is the
 message's `name` when it has one (tool results too); turns up to the last assistant answer
 without tool calls lose their reasoning, later ones (the current tool-calling round) keep
-it; with `thinking=False` every kept reasoning is dropped too and the generation prompt ends
+it; with `thinking=False` no turn keeps its reasoning and the generation prompt ends
 `<think></think>`; tool-call ids and contents are written as given (content holding
 `<think>` is not split).
 """
@@ -130,10 +130,11 @@ class KimiTokenizer:
         self.pad_token = _token_str(cfg.get("pad_token"))
         self.bos_token_id = specials.get(self.bos_token)
         self.eos_token_id = specials.get(self.eos_token)
-        template = _folder_template(cfg.get("chat_template"), folder)
-        self.chat_template = template or "kimi"
+        templates = _folder_templates(cfg.get("chat_template"), folder)
+        self.chat_template = next(iter(templates), "kimi")
         # the checkpoint's own template says which format its model was trained on
-        self.chat_format = KIMI_K25 if template and K25_TEMPLATE_MARK in template else KIMI_K2
+        k25 = any(K25_TEMPLATE_MARK in t for t in templates)
+        self.chat_format = KIMI_K25 if k25 else KIMI_K2
 
     # ---- text <-> ids ----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -176,18 +177,19 @@ class KimiTokenizer:
         return render_kimi_chat(messages, tools, add_generation_prompt, thinking)
 
 
-def _folder_template(value: Any, folder: str) -> str | None:
-    """The checkpoint's chat template: tokenizer_config.json's, else chat_template.jinja."""
+def _folder_templates(value: Any, folder: str) -> list[str]:
+    """The checkpoint's chat templates: tokenizer_config.json's, then chat_template.jinja."""
+    found = []
     if isinstance(value, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("default") or next(iter(named.values()), None)
     if isinstance(value, str) and value:
-        return value
+        found.append(value)
     path = os.path.join(folder, "chat_template.jinja")
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
-            return f.read()
-    return None
+            found.append(f.read())
+    return found
 
 
 def _tool_calls(calls: list[dict[str, Any]]) -> str:

@@ -5,6 +5,9 @@ event loop. Each streamed response: a role-only chunk at once (no content, so it
 count as the first token), then one token per chunk at start + ttft + i * itl (absolute
 times, so sleep overshoot does not accumulate), a finish chunk, the usage chunk, [DONE].
 
+It keeps a prefix cache of a kind: a prompt it has answered before counts its
+`prompt_tokens` as prefix-cache hits (`moeserve_prefix_cache_hits_total` on /metrics).
+
 Prompts containing these words change the behaviour, to test failure handling:
 FAIL400 (HTTP 400 with an OpenAI error body), BADCHUNK (a non-JSON chunk mid-stream),
 CUTOFF (the stream stops without [DONE]), NOUSAGE (no usage chunk), ERRCHUNK (an error
@@ -24,6 +27,7 @@ from aiohttp import web
 
 MODEL_ID = "pace-model"
 COUNTER = "moeserve_generation_tokens_total"
+HITS_COUNTER = "moeserve_prefix_cache_hits_total"
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,9 @@ class PaceServer:
     def __init__(self, pace: Pace) -> None:
         self.pace = pace
         self.generated_tokens = 0  # what /metrics reports
+        self.prefix_cache_hits = 0  # likewise
         self.requests = 0
+        self._seen_prompts: set[str] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
@@ -88,6 +94,7 @@ class PaceServer:
         text = (
             f"# HELP {COUNTER} Generated tokens.\n# TYPE {COUNTER} counter\n"
             f'{COUNTER}{{model="{MODEL_ID}"}} {float(self.generated_tokens)}\n'
+            f"# TYPE {HITS_COUNTER} counter\n{HITS_COUNTER} {float(self.prefix_cache_hits)}\n"
         )
         return web.Response(text=text, content_type="text/plain")
 
@@ -104,6 +111,9 @@ class PaceServer:
         self, request: web.Request, body: dict[str, Any], prompt: str, chat: bool
     ) -> web.StreamResponse:
         self.requests += 1
+        if prompt in self._seen_prompts:
+            self.prefix_cache_hits += self.pace.prompt_tokens
+        self._seen_prompts.add(prompt)
         if "FAIL400" in prompt:
             err = {"error": {"message": "bad request on purpose", "type": "invalid_request_error"}}
             return web.json_response(err, status=400)
