@@ -364,7 +364,7 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.after_step(batch, plan, emitted)
+            self.proposer.after_step(batch, plan.spans, emitted)
         if self.profiler is not None and self.profiler.active and step.is_decode_only:
             if self.proposer is not None:
                 drafted = sum(len(d) for d in plan.verify.values())

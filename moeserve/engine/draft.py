@@ -13,23 +13,32 @@ other ranks of a tensor-parallel group run them too. Drafts are greedy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from moeserve.engine.step import DRAFT_ON_DRAFT, DRAFT_ON_TARGET, StepInput
+from moeserve.engine.executor import Executor
+from moeserve.engine.request import Request
+from moeserve.engine.scheduler import ScheduledBatch, Scheduler
+from moeserve.engine.step import DRAFT_ON_DRAFT, DRAFT_ON_TARGET, RowAllocator, StepInput
 
-if TYPE_CHECKING:
-    from moeserve.engine.core import LLMEngine, _StepPlan
-    from moeserve.engine.request import Request
-    from moeserve.engine.scheduler import ScheduledBatch
+
+class EngineParts(Protocol):
+    """What drafting needs of the engine (its core implements it)."""
+
+    live: dict[str, Any]
+    rows: RowAllocator
+    executor: Executor
+    scheduler: Scheduler
+    max_model_len: int
+    vocab_limit: int
 
 
 class DraftModelProposer:
     """The `Proposer` of a draft model: `after_step` computes the drafts, `propose` hands
     them out."""
 
-    def __init__(self, engine: LLMEngine, num_tokens: int) -> None:
+    def __init__(self, engine: EngineParts, num_tokens: int) -> None:
         self.engine = engine
         self.num_tokens = num_tokens
         self.drafts: dict[str, list[int]] = {}
@@ -49,17 +58,22 @@ class DraftModelProposer:
 
     # ---- after a target step ---------------------------------------------------------------
     def after_step(
-        self, batch: ScheduledBatch, plan: _StepPlan, emitted: dict[int, list[int]]
+        self,
+        batch: ScheduledBatch,
+        spans: dict[int, tuple[int, int, int]],
+        emitted: dict[int, list[int]],
     ) -> None:
         """Catch the draft model up on the step's positions whose next token is known, then
-        draft for the requests that decode next."""
+        draft for the requests that decode next. `spans`: batch index -> (its first row in
+        the step, its first position, its token count); `emitted`: the tokens each verifying
+        request emitted."""
         eng = self.engine
         catch_up: list[tuple[Request, int, int, int]] = []  # request, t0, start, m
-        for i, (t0, start, n) in plan.spans.items():
+        for i, (t0, start, n) in spans.items():
             req = batch.requests[i]
             if req.finished or req.request_id not in eng.live:
                 continue
-            m = len(emitted[i]) if i in plan.verify else n
+            m = len(emitted[i]) if i in emitted else n
             if len(req.token_slice(start + 1, start + m + 1)) == m:
                 catch_up.append((req, t0, start, m))
         if not catch_up:

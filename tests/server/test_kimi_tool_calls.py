@@ -275,6 +275,23 @@ def test_tools_round_trip_streamed(server, client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_a_schema_typescript_cannot_hold_is_declared_as_the_json_sent(server, client):
+    odd = [
+        {
+            "type": "function",
+            "function": {
+                "name": "odd",
+                "parameters": {"type": "object", "properties": {"x": {"format": "uuid"}}},
+            },
+        }
+    ]
+    messages = say("</think>ok")
+    client.chat.completions.create(model=MODEL, messages=messages, tools=odd)
+    prompt = prompt_of_last_request(server)
+    assert prompt == oracle(messages, odd)
+    assert prompt.startswith('<|im_system|>tool_declare<|im_middle|>[{"function":{"name":"odd",')
+
+
 def test_marker_text_that_is_not_the_model_token_stays_content(server, client):
     quoted = "«" + SB + CB + "f" + AB + "{}" + CE + SE + "»"
     r = client.chat.completions.create(
