@@ -239,7 +239,7 @@ def _unserved(pattern: str, num_layers: int) -> str:
         return "the vision tower (not served)"
     layers = [int(n) for n in re.findall(r"layers\.(\d+)", pattern)]
     if _MTP.search(pattern) or any(n >= num_layers for n in layers):
-        return "MTP layers (not served)"
+        return "MTP layers (served only as the draft model: --speculative-config method mtp)"
     return "matches no module of this model"
 
 
@@ -515,7 +515,10 @@ def check_folder(folder: str) -> CheckReport:
     if skipped.get("vision"):
         notes.append(f"{skipped['vision']} vision tower / projector (skipped)")
     if skipped.get("layers"):
-        notes.append(f"{skipped['layers']} of layers >= {cfg.num_hidden_layers} (MTP, skipped)")
+        notes.append(
+            f"{skipped['layers']} of layers >= {cfg.num_hidden_layers} (MTP, skipped; the draft "
+            "model of --speculative-config method mtp)"
+        )
     if unused:
         notes.append(f"{len(unused)} outside the text model (unused), e.g. {unused[0]}")
     report.lines.append(f"tensors: {used:,} used" + "".join(f", {n}" for n in notes))

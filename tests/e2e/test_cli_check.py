@@ -72,7 +72,7 @@ def test_every_written_layout_is_recognised(written, like, fmt):
         assert "text weights under language_model." in text
         assert "2 vision tower / projector (skipped)" in text
     if like == "deepseek-v3":
-        assert "(MTP, skipped)" in text
+        assert "(MTP, skipped; the draft model of --speculative-config method mtp)" in text
 
 
 def test_weight_only_and_fp8_cache(tmp_path):
