@@ -190,7 +190,10 @@ class LLMEngine:
                 req.max_tokens - len(req.output_ids) - 1,
                 self.max_model_len - req.num_tokens - 1,
             )
-            k = self.policy.length(req.request_id, len(running), room)
+            if getattr(self.proposer, "decides_length", False):
+                k = room  # the proposer asked the policy before drafting
+            else:
+                k = self.policy.length(req.request_id, len(running), room)
             req.draft = self.proposer.propose(req.request_id, k)[:k] if k > 0 else []
 
     def _verify(

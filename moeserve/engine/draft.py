@@ -12,6 +12,7 @@ other ranks of a tensor-parallel group run them too. Drafts are greedy.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -21,6 +22,7 @@ from moeserve.engine.executor import Executor
 from moeserve.engine.request import Request
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler
 from moeserve.engine.step import DRAFT_ON_DRAFT, DRAFT_ON_TARGET, RowAllocator, StepInput
+from moeserve.spec.policy import DraftPolicy
 
 
 class EngineParts(Protocol):
@@ -30,6 +32,7 @@ class EngineParts(Protocol):
     rows: RowAllocator
     executor: Executor
     scheduler: Scheduler
+    policy: DraftPolicy | None
     max_model_len: int
     vocab_limit: int
 
@@ -37,6 +40,9 @@ class EngineParts(Protocol):
 class DraftModelProposer:
     """The `Proposer` of a draft model: `after_step` computes the drafts, `propose` hands
     them out."""
+
+    # the draft length is decided here, before the draft model runs (its steps cost time)
+    decides_length = True
 
     def __init__(self, engine: EngineParts, num_tokens: int) -> None:
         self.engine = engine
@@ -68,7 +74,9 @@ class DraftModelProposer:
         the step, its first position, its token count); `emitted`: the tokens each verifying
         request emitted."""
         eng = self.engine
+        t_start = time.perf_counter()
         catch_up: list[tuple[Request, int, int, int]] = []  # request, t0, start, m
+        want: dict[str, int] = {}  # request -> draft tokens to compute
         for i, (t0, start, n) in spans.items():
             req = batch.requests[i]
             if req.finished or req.request_id not in eng.live:
@@ -89,7 +97,9 @@ class DraftModelProposer:
             step.rows.append(eng.rows.row(req.request_id))
             step.seq_lens.append(start + m)
             step.query_lens.append(m)
-            if self._decodes_next(req):
+            k = self._length(req, len(catch_up))
+            if k > 0:
+                want[req.request_id] = k
                 last_row[req.request_id] = len(step.logit_rows)
                 token_row[req.request_id] = len(step.ids) - 1
                 step.logit_rows.append(len(step.ids) - 1)
@@ -102,7 +112,7 @@ class DraftModelProposer:
         # the row of the latest draft step's output each request's next draft step reads
         rows_of = {r.request_id: token_row[r.request_id] for r in drafting}
         for j in range(1, self.num_tokens):
-            going = [r for r in drafting if self._room(r) > j and self._reserve(r, j)]
+            going = [r for r in drafting if want[r.request_id] > j and self._reserve(r, j)]
             if not going:
                 break
             step = StepInput([], [], [], [], [], draft=DRAFT_ON_DRAFT)
@@ -123,9 +133,18 @@ class DraftModelProposer:
                 drafts[r.request_id].append(tokens[k])
             drafting = going
         self.drafts.update(drafts)
+        if eng.policy is not None:
+            longest = max(len(d) for d in drafts.values())
+            eng.policy.observe_draft(time.perf_counter() - t_start, longest)
 
-    def _decodes_next(self, req: Request) -> bool:
-        return req.num_computed == req.num_tokens - 1 and self._room(req) > 0
+    def _length(self, req: Request, batch: int) -> int:
+        """Draft tokens to compute for `req` (0: it does not decode next, or drafting does
+        not pay: the engine's policy, with the draft model's own cost counted)."""
+        if req.num_computed != req.num_tokens - 1:
+            return 0
+        room = self._room(req)
+        policy = self.engine.policy
+        return policy.length(req.request_id, batch, room) if policy is not None else room
 
     def _room(self, req: Request) -> int:
         """Draft tokens the request can still use (its max_tokens and the context)."""

@@ -50,6 +50,8 @@ class DraftPolicy:
         self.adaptive = adaptive
         # tokens in a decode step -> (weight, mean seconds), older steps weighted less
         self.step_seconds: dict[int, tuple[float, float]] = {}
+        # a draft model's seconds per draft token (moving average; 0 for host proposers)
+        self.draft_seconds = 0.0
         self._acc: dict[str, _Acceptance] = {}
 
     # ---- measurements ----------------------------------------------------------------------
@@ -62,6 +64,14 @@ class DraftPolicy:
         w, mean = aged.get(num_tokens, (0.0, 0.0))
         aged[num_tokens] = (w + 1.0, mean + (seconds - mean) / (w + 1.0))
         self.step_seconds = aged
+
+    def observe_draft(self, seconds: float, tokens: int) -> None:
+        """A draft model took `seconds` to draft `tokens` tokens per sequence (its steps run
+        after the target's, so their time adds to what a draft costs)."""
+        if tokens > 0:
+            per = seconds / tokens
+            old = self.draft_seconds
+            self.draft_seconds = per if old == 0.0 else 0.8 * old + 0.2 * per
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verification of `drafted` tokens accepted the first `accepted`."""
@@ -108,7 +118,7 @@ class DraftPolicy:
         expected = 1.0
         for k in range(1, limit + 1):
             expected += rate**k
-            gain = expected * base / self.cost(step_tokens + k)
+            gain = expected * base / (self.cost(step_tokens + k) + k * self.draft_seconds)
             if gain > best_gain:
                 best_k, best_gain = k, gain
         if best_gain < MIN_GAIN:

@@ -52,3 +52,16 @@ def test_fixed_length_when_not_adaptive():
     assert p.length("r", 1, 10) == 3
     assert p.length("r", 1, 2) == 2
     assert p.length("r", 1, 0) == 0
+
+
+def test_a_costly_draft_model_drafts_less():
+    """A draft model's own time per draft token counts against the draft: cheap verify
+    steps and good acceptance draft the most with a free proposer, nothing when each draft
+    token costs as much as a step."""
+    p = DraftPolicy(max_tokens=4)
+    _timed(p, lambda n: 0.010 + 0.0002 * (n - 1))
+    for _ in range(10):
+        p.observe("r", 4, 3)
+    assert p.length("r", 1, 4) == 4
+    p.observe_draft(0.040, 4)  # 10 ms per draft token
+    assert p.length("r", 1, 4) == 0
