@@ -104,11 +104,14 @@ class DecodeGraphs:
         return self.forward(ids, pos, rows, lens)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, prepare: bool = True) -> None:
+        """Capture every size. `prepare=False`: the modules' static scratch already exists
+        (a second set of graphs over the same model must not replace the buffers the first
+        set's graphs read)."""
         t0 = time.perf_counter()
         self.allocate_inputs()
         shared: dict = {}  # scratch that layers of a kind share
-        for m in self.model.modules():
+        for m in self.model.modules() if prepare else ():
             hook = getattr(m, "prepare_cuda_graph", None)
             if hook is not None:
                 hook(self.max_batch, self.max_context, shared)

@@ -111,6 +111,7 @@ class ModelRunner:
         self.keep_hidden = getattr(self.model, "mtp", None) is not None
         self.last_hidden: torch.Tensor | None = None
         self.last_draft_hidden: torch.Tensor | None = None
+        self.draft_graphs: DecodeGraphs | None = None
         self._staging = Staging(self.device)
         self.prefill_threads = self._prefill_threads()  # before the profiling step below
         self.memory = self._plan_memory(loaded, model_len)
@@ -341,10 +342,52 @@ class ModelRunner:
             torch.cuda.memory_reserved(self.device) - before
         )
         self.graphs = graphs
+        if self.keep_hidden:
+            self._capture_draft(max_batch)
         check = getattr(self.tp.comm, "check", None)
         if check is not None:
             check()  # a one-shot all-reduce that timed out while capturing says so here
         return graphs.status()
+
+    def _capture_draft(self, max_batch: int) -> None:
+        """Graphs of the draft model's one-token steps (its hidden-state input is a static
+        buffer filled before each replay); the draft runs eagerly if capture fails."""
+        hidden = self.loaded.config.hidden_size
+        dtype = self.model.model.embed_tokens.weight.dtype
+        self._draft_in = torch.zeros(max_batch, hidden, dtype=dtype, device=self.device)
+        graphs = DecodeGraphs(
+            self._draft_graph_forward,
+            self.model,
+            self.device,
+            max_batch,
+            self.max_rows,
+            self.max_model_len,
+        )
+        try:
+            graphs.capture(prepare=False)
+        except RuntimeError as e:
+            log.warning("CUDA graph capture of the draft model failed: %s", e)
+            return
+        self.draft_graphs = graphs
+
+    def _draft_graph_forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """The captured draft forward of one-token rows: [normed | carried] per row."""
+        b = ids.shape[0]
+        md = self.metadata(
+            positions,
+            rows,
+            seq_lens,
+            [1] * b,
+            [1] * b,
+            self.max_pages_per_seq,
+            query_start=self._decode_query_start[: b + 1],
+        )
+        normed, carried = self.model.forward_draft(
+            ids, positions, self._draft_in[:b], ForwardContext(md)
+        )
+        return torch.cat([normed, carried], dim=-1)
 
     # ---- one step ----------------------------------------------------------------------------
     def _tensors(self, step: StepInput) -> StepTensors:
@@ -456,6 +499,15 @@ class ModelRunner:
         source = self.last_hidden if step.draft == DRAFT_ON_TARGET else self.last_draft_hidden
         assert source is not None, "a draft step needs the step it reads from"
         rows = torch.tensor(step.hidden_rows, dtype=torch.long).to(self.device)
+        g, b = self.draft_graphs, len(step.rows)
+        if g is not None and step.is_decode_only and g.can_run(b):
+            self._draft_in[:b].copy_(source.index_select(0, rows))
+            out = g.run(st.packed[: 4 * b].view(4, -1))
+            normed, carried = out.split(out.shape[-1] // 2, dim=-1)
+            self.last_draft_hidden = carried  # a view: read before the next replay
+            if not step.logit_rows:
+                return None
+            return self.model.compute_logits(normed.index_select(0, st.logit_rows))
         width = -(-max(step.seq_lens) // self.page_size)
         md = self.metadata(
             st.positions,
