@@ -70,10 +70,13 @@ WEIGHT_PARTS = (
     "routed experts",
     "embedding + lm_head",
     "norms + buffers",
+    "MTP draft layer",
 )
 
 
 def _part(name: str) -> str:
+    if name.startswith("mtp."):  # the draft model of --speculative-config method mtp
+        return "MTP draft layer"
     if ".self_attn." in name:
         return "attention"
     if ".mlp.experts." in name:
@@ -289,6 +292,9 @@ def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig
 
     src = describe_checkpoint(path)
     cfg, quant, source, kv_algo = src.config, src.quant, src.quant_source, src.kv_cache_quant_algo
+    spec = engine.speculative_config
+    if spec is not None and spec.method == "mtp":  # the draft model's weights and cache too
+        cfg = cfg.with_mtp()
     if engine.load.num_layers is not None:
         cfg = cfg.with_layers(engine.load.num_layers)
     tp = engine.parallel.tensor_parallel_size
@@ -439,9 +445,10 @@ def format_plan(plan: Plan, suggestion: int | None = None) -> str:
             "the server skips: vision tower, MTP layers)"
         )
     layers = cfg.num_hidden_layers
+    mtp = " + the MTP draft layer" if cfg.mtp_index >= 0 else ""
     if cfg.is_mla:
         how = (
-            f"{layers} layers x ({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}) x "
+            f"({layers} layers{mtp}) x ({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}) x "
             f"{plan.kv_dtype.itemsize} B; the latent is replicated on every rank"
         )
     else:

@@ -366,8 +366,10 @@ class LLMEngine:
                 out = self._own_work(live, self._emit, live, i, tokens, lps, prompt_lps)
             if out is not None:
                 outputs.append(out)
-        if isinstance(self.proposer, DraftModelProposer):
+        if isinstance(self.proposer, DraftModelProposer):  # its drafting is the step's
+            t_model = time.perf_counter()
             self.proposer.after_step(batch, plan.spans, emitted)
+            t_draft += time.perf_counter() - t_model
         if self.profiler is not None and self.profiler.active and step.is_decode_only:
             if self.proposer is not None:
                 drafted = sum(len(d) for d in plan.verify.values())

@@ -384,3 +384,22 @@ def test_mla_decode_kernel_choice_follows_cache_page_size_and_setting():
     ):
         c = mla(cap, kv, **kw)
         assert c.choice.startswith("Triton") and why in c.reason, (c, why)
+
+
+def test_mtp_draft_layer_is_counted():
+    """With the MTP draft model, each GPU holds one more MoE layer (the MTP block: the bytes
+    one more layer adds to the cut model) plus eh_proj and three norms (BF16), and its
+    latent cache is one more layer's."""
+    ds = str(Path(__file__).resolve().parents[2] / "benchmarks/configs/deepseek-v3-fp8")
+    cfg = describe_source(ds).config
+    n, h = cfg.num_hidden_layers, cfg.hidden_size
+
+    def deploy(**kw):
+        return plan.plan_deployment(ds, GPUS["h200"], 8, _engine(tensor_parallel_size=8, **kw))
+
+    base, mtp = deploy(), deploy(speculative_config={"method": "mtp"})
+    one_layer = deploy(num_layers=n).weights.total - deploy(num_layers=n - 1).weights.total
+    extra = 2 * h * h * 2 + 3 * h * 2  # eh_proj and enorm / hnorm / shared_head.norm, BF16
+    assert mtp.weights.by_part["MTP draft layer"] == one_layer + extra
+    assert mtp.weights.total == base.weights.total + one_layer + extra
+    assert mtp.memory.kv_bytes_per_token * n == base.memory.kv_bytes_per_token * (n + 1)
