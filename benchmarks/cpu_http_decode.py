@@ -11,11 +11,11 @@ llama.cpp, in one run.
   llama-cpp-python`), the same GGUF file, the same thread count, greedy, 256 tokens; decode
   tok/s after the first token. Skipped with a note when absent.
 
-The three run in turn, round after round (this machine's speed drifts by tens of percent
-over minutes); medians of the rounds. Writes benchmarks/results/cpu_http_decode.{json,md}.
+The three run in turn, pass after pass (this machine's speed drifts by tens of percent
+over minutes); medians of the passes. Writes benchmarks/results/cpu_http_decode.{json,md}.
 Targets: HTTP within 10% of offline; offline >= 0.9x llama.cpp.
 
-    PYTHONPATH=$PWD python benchmarks/cpu_http_decode.py [--rounds 3]
+    PYTHONPATH=$PWD python benchmarks/cpu_http_decode.py [--passes 3]
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def llama_cpp_rate(llm) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--passes", type=int, default=3)
     args = ap.parse_args()
     from moeserve.engine.offline import LLM
     from moeserve.loader import default_model_path
@@ -138,17 +138,17 @@ def main() -> None:
             time.sleep(0.5)
         http_rate(port)  # warm-up
         lcpp = llama_cpp_model(gguf, threads)
-        rounds = []
-        for _ in range(args.rounds):
+        passes = []
+        for _ in range(args.passes):
             r = {"offline": offline_rate(llm), "http": http_rate(port)}
             if lcpp is not None:
                 r["llama_cpp"] = llama_cpp_rate(lcpp)
-            rounds.append(r)
+            passes.append(r)
             print(r, flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
-    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    med = {k: statistics.median(r[k] for r in passes) for k in passes[0]}
     banner = log_path.read_text()
     threads_line = next((ln for ln in banner.splitlines() if "torch threads" in ln), "")
     env = {
@@ -167,7 +167,7 @@ def main() -> None:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    out = {"env": env, "rounds": rounds, "median": med, "gguf": os.path.basename(gguf)}
+    out = {"env": env, "passes": passes, "median": med, "gguf": os.path.basename(gguf)}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "cpu_http_decode.json").write_text(json.dumps(out, indent=2))
     http_ratio = med["http"] / med["offline"]
@@ -176,12 +176,12 @@ def main() -> None:
         "",
         f"commit {env['commit']}, {env['cpu']} ({env['cores']} cores), torch {env['torch']}, "
         f"{env['date']}. benchmarks/cpu_http_decode.py (docstring): {TOKENS} greedy tokens, "
-        f"decode tok/s after the first token, medians of {args.rounds} interleaved rounds. "
+        f"decode tok/s after the first token, medians of {args.passes} interleaved passes. "
         f"Offline: {threads} torch threads; server: its default ({env['server_threads']} engine "
         "thread(s), the rest of the cores for the HTTP front end); the bench client in its own "
         "process.",
         "",
-        "| path | decode tok/s (median) | rounds | vs offline |",
+        "| path | decode tok/s (median) | passes | vs offline |",
         "|---|---|---|---|",
     ]
     for k, label in (
@@ -190,7 +190,7 @@ def main() -> None:
         ("llama_cpp", "llama.cpp (llama-cpp-python)"),
     ):
         if k in med:
-            vals = ", ".join(f"{r[k]:.1f}" for r in rounds)
+            vals = ", ".join(f"{r[k]:.1f}" for r in passes)
             lines.append(f"| {label} | {med[k]:.1f} | {vals} | {med[k] / med['offline']:.2f} |")
     lines += ["", f"HTTP / offline: {http_ratio:.2f} (target >= 0.90)."]
     if "llama_cpp" in med:
