@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from common import git_commit
+from common import gpu_meta
 
 HERE = Path(__file__).resolve().parent
 MODEL = HERE / "configs/deepseek-v3-fp8"
@@ -112,16 +111,8 @@ def main() -> None:
                 )
                 r["draft_share"] = r["draft_ms"] / k / r["target_ms_61_layers"]
             rows[f"{b}x{k}"] = r
-    import triton
-
     res = {
-        "versions": {
-            "commit": git_commit(args.commit),
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": gpu_meta(args.commit),
         "rows": rows,
     }
     out = Path(args.out)

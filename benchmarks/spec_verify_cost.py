@@ -35,13 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from common import git_commit
+from common import gpu_meta
 
 HERE = Path(__file__).resolve().parent
 KIMI = HERE / "configs/kimi-k2.5-nvfp4"
@@ -221,16 +220,8 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     layers = {"full-size": measure(KIMI), "tp8-ep rank": measure(KIMI, f"tp{TP}-ep")}
-    import triton
-
     res = {
-        "versions": {
-            "commit": git_commit(args.commit),
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": gpu_meta(args.commit),
         "layers": layers,
         "projection": project(layers["tp8-ep rank"]),
     }

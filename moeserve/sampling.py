@@ -575,25 +575,12 @@ class Sampler:
         ]
         if not asked:
             return
-        dev = raw.device
         vs = [v for j in asked for v in emitted_rows[j]]
         ts = [t for j in asked for t in tokens[j]]  # type: ignore[union-attr]
-        sub = raw[torch.tensor(vs, dtype=torch.long, device=dev)]
-        picked = sub.gather(1, torch.tensor(ts, device=dev)[:, None]).squeeze(1).tolist()
-        k = max(params[j].logprobs or 0 for j in asked)
-        tv: list[list[float]] = [[] for _ in vs]
-        ti: list[list[int]] = [[] for _ in vs]
-        if k:
-            val, ix = sub.topk(k, dim=-1)
-            tv, ti = val.tolist(), ix.tolist()
-        at = 0
+        ks = [params[j].logprobs or 0 for j in asked for _ in emitted_rows[j]]
+        scored = iter(Sampler._scored(raw, vs, ts, ks))
         for j in asked:
-            kk = params[j].logprobs or 0
-            entries = []
-            for _ in emitted_rows[j]:
-                entries.append((picked[at], list(zip(ti[at][:kk], tv[at][:kk], strict=True))))
-                at += 1
-            out[j] = entries
+            out[j] = [next(scored) for _ in emitted_rows[j]]
 
     def _sample(
         self, logits: torch.Tensor, rows: list[_Row], out_lens: list[int]
@@ -628,7 +615,7 @@ class Sampler:
         ]
         lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * b
         if raw_lp is not None:
-            lps = self._logprobs(raw_lp, ids, ps, chosen)
+            lps = self._logprobs(raw_lp, ps, chosen)
         return chosen, lps
 
     def _apply_penalties(
@@ -724,27 +711,39 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        raw: torch.Tensor, ids: torch.Tensor, ps: list[SamplingParams], chosen: list[int | None]
+        raw: torch.Tensor, ps: list[SamplingParams], chosen: list[int | None]
     ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        """The sampled tokens' logprobs and top-k for the rows that asked."""
         want = [i for i, p in enumerate(ps) if p.logprobs is not None and chosen[i] is not None]
         out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(ps)
         if not want:
             return out
+        tokens = [int(chosen[i]) for i in want]  # type: ignore[arg-type]
+        ks = [ps[i].logprobs or 0 for i in want]
+        for i, entry in zip(want, Sampler._scored(raw, want, tokens, ks), strict=True):
+            out[i] = entry
+        return out
+
+    @staticmethod
+    def _scored(
+        raw: torch.Tensor, rows: list[int], tokens: list[int], ks: list[int]
+    ) -> list[tuple[float, list[tuple[int, float]]]]:
+        """For each (row, token, k): the token's logprob in that row of `raw` and the row's
+        top k (token, logprob), in one gather and one top-k."""
         dev = raw.device
-        idx = torch.tensor(want, dtype=torch.long).to(dev)
-        sub = raw.index_select(0, idx)
-        picked = sub.gather(1, ids.index_select(0, idx)[:, None]).squeeze(1).tolist()
-        k = max(ps[i].logprobs or 0 for i in want)
-        tops_v: list[list[float]] = [[] for _ in want]
-        tops_i: list[list[int]] = [[] for _ in want]
+        sub = raw.index_select(0, torch.tensor(rows, dtype=torch.long).to(dev))
+        ids = torch.tensor(tokens, dtype=torch.long).to(dev)
+        picked = sub.gather(1, ids[:, None]).squeeze(1).tolist()
+        k = max(ks)
+        tops_v: list[list[float]] = [[] for _ in rows]
+        tops_i: list[list[int]] = [[] for _ in rows]
         if k:
             v, ix = sub.topk(k, dim=-1)
             tops_v, tops_i = v.tolist(), ix.tolist()
-        for n, i in enumerate(want):
-            kk = ps[i].logprobs or 0
-            top = list(zip(tops_i[n][:kk], tops_v[n][:kk], strict=True))
-            out[i] = (picked[n], top)
-        return out
+        return [
+            (picked[n], list(zip(tops_i[n][:kk], tops_v[n][:kk], strict=True)))
+            for n, kk in enumerate(ks)
+        ]
 
 
 def truncate(

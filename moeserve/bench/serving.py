@@ -327,13 +327,10 @@ def parse_prometheus_counter(text: str, name: str) -> float | None:
     return total if found else None
 
 
-async def scrape_counter(
-    session: aiohttp.ClientSession,
-    url: str | None,
-    name: str,
-    headers: dict[str, str] | None = None,
-) -> float | None:
-    """The counter's value at `url`, or None when the server does not expose it."""
+async def scrape_metrics(
+    session: aiohttp.ClientSession, url: str | None, headers: dict[str, str] | None = None
+) -> str | None:
+    """The Prometheus text at `url`, or None when there is none (no URL, an error, not 200)."""
     if not url:
         return None
     try:
@@ -342,28 +339,14 @@ async def scrape_counter(
         ) as resp:
             if resp.status != 200:
                 return None
-            return parse_prometheus_counter(await resp.text(errors="replace"), name)
+            return await resp.text(errors="replace")
     except (TimeoutError, aiohttp.ClientError, ValueError):
         return None
 
 
-async def scrape_counters(
-    session: aiohttp.ClientSession,
-    url: str | None,
-    names: dict[str, str],
-    headers: dict[str, str] | None = None,
-) -> dict[str, float] | None:
-    """Several counters from one scrape (key -> value), or None when any is missing."""
-    if not url:
-        return None
-    try:
-        async with session.get(
-            url, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=30)
-        ) as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text(errors="replace")
-    except (TimeoutError, aiohttp.ClientError, ValueError):
+def parse_counters(text: str | None, names: dict[str, str]) -> dict[str, float] | None:
+    """Several counters (key -> value) of one scrape, or None when any is missing."""
+    if text is None:
         return None
     out = {key: parse_prometheus_counter(text, name) for key, name in names.items()}
     if any(v is None for v in out.values()):
@@ -371,26 +354,9 @@ async def scrape_counters(
     return out  # type: ignore[return-value]
 
 
-async def scrape_first_counter(
-    session: aiohttp.ClientSession,
-    url: str | None,
-    names: Sequence[str],
-    headers: dict[str, str] | None = None,
-) -> float | None:
-    """The first of `names` (one counter under each server's name) that `url` exposes, from
-    one scrape; None when it exposes none."""
-    if not url:
-        return None
-    try:
-        async with session.get(
-            url, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=30)
-        ) as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text(errors="replace")
-    except (TimeoutError, aiohttp.ClientError, ValueError):
-        return None
-    for name in names:
+def parse_first_counter(text: str | None, names: Sequence[str]) -> float | None:
+    """The first of `names` (one counter under each server's name) the scrape holds."""
+    for name in names if text is not None else ():
         value = parse_prometheus_counter(text, name)
         if value is not None:
             return value
@@ -460,22 +426,16 @@ async def run_point(
         warm = await run_phase(
             session, cfg, warm_load, warmup_samples, True, hook(len(warmup_samples), "warm-up")
         )
-    before = await scrape_counter(session, metrics_url, GENERATION_TOKENS_COUNTER, cfg.headers)
-    spec_before = await scrape_counters(session, metrics_url, SPEC_COUNTERS, cfg.headers)
-    hits_before = await scrape_first_counter(
-        session, metrics_url, PREFIX_CACHE_HITS_COUNTERS, cfg.headers
-    )
+    text = await scrape_metrics(session, metrics_url, cfg.headers)
+    before = parse_first_counter(text, [GENERATION_TOKENS_COUNTER])
+    spec_before = parse_counters(text, SPEC_COUNTERS)
+    hits_before = parse_first_counter(text, PREFIX_CACHE_HITS_COUNTERS)
     measured = await run_phase(session, cfg, load, samples, False, hook(len(samples), "benchmark"))
-    after = (
-        await scrape_counter(session, metrics_url, GENERATION_TOKENS_COUNTER, cfg.headers)
-        if before is not None
-        else None
-    )
-    spec_after = await scrape_counters(session, metrics_url, SPEC_COUNTERS, cfg.headers)
+    text = await scrape_metrics(session, metrics_url, cfg.headers)
+    after = parse_first_counter(text, [GENERATION_TOKENS_COUNTER]) if before is not None else None
+    spec_after = parse_counters(text, SPEC_COUNTERS)
     hits_after = (
-        await scrape_first_counter(session, metrics_url, PREFIX_CACHE_HITS_COUNTERS, cfg.headers)
-        if hits_before is not None
-        else None
+        parse_first_counter(text, PREFIX_CACHE_HITS_COUNTERS) if hits_before is not None else None
     )
     spec_delta = None
     if spec_after is not None:  # counters that appear with the first draft start at 0

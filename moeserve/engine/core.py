@@ -190,8 +190,8 @@ class LLMEngine:
                 req.max_tokens - len(req.output_ids) - 1,
                 self.max_model_len - req.num_tokens - 1,
             )
-            if getattr(self.proposer, "decides_length", False):
-                k = room  # the proposer asked the policy before drafting
+            if isinstance(self.proposer, DraftModelProposer):
+                k = room  # it asked the policy before its draft model ran
             else:
                 k = self.policy.length(req.request_id, len(running), room)
             req.draft = self.proposer.propose(req.request_id, k)[:k] if k > 0 else []

@@ -39,10 +39,8 @@ class EngineParts(Protocol):
 
 class DraftModelProposer:
     """The `Proposer` of a draft model: `after_step` computes the drafts, `propose` hands
-    them out."""
-
-    # the draft length is decided here, before the draft model runs (its steps cost time)
-    decides_length = True
+    them out. The draft length is decided in `after_step`, before the draft model runs (its
+    steps cost time)."""
 
     def __init__(self, engine: EngineParts, num_tokens: int) -> None:
         self.engine = engine

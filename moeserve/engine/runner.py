@@ -374,18 +374,9 @@ class ModelRunner:
         self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor
     ) -> torch.Tensor:
         """The captured draft forward of one-token rows: [normed | carried] per row."""
-        b = ids.shape[0]
-        md = self.metadata(
-            positions,
-            rows,
-            seq_lens,
-            [1] * b,
-            [1] * b,
-            self.max_pages_per_seq,
-            query_start=self._decode_query_start[: b + 1],
-        )
+        md = self._decode_metadata(positions, rows, seq_lens)
         normed, carried = self.model.forward_draft(
-            ids, positions, self._draft_in[:b], ForwardContext(md)
+            ids, positions, self._draft_in[: ids.shape[0]], ForwardContext(md)
         )
         return torch.cat([normed, carried], dim=-1)
 
@@ -475,12 +466,12 @@ class ModelRunner:
             query_lens_host=query_lens,
         )
 
-    def _graph_forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor
-    ) -> torch.Tensor:
-        """The captured decode forward: metadata from the page table, then the model."""
-        b = ids.shape[0]
-        md = self.metadata(
+    def _decode_metadata(
+        self, positions: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor
+    ) -> AttentionMetadata:
+        """A captured decode batch's metadata (one-token rows; static query starts)."""
+        b = positions.shape[0]
+        return self.metadata(
             positions,
             rows,
             seq_lens,
@@ -489,6 +480,25 @@ class ModelRunner:
             self.max_pages_per_seq,
             query_start=self._decode_query_start[: b + 1],
         )
+
+    def _step_metadata(self, step: StepInput, st: StepTensors) -> AttentionMetadata:
+        """An eager step's metadata (tables as wide as its longest sequence needs)."""
+        return self.metadata(
+            st.positions,
+            st.rows,
+            st.seq_lens,
+            step.query_lens,
+            step.seq_lens,
+            -(-max(step.seq_lens) // self.page_size),
+            query_start=st.query_start,
+            query_lens_dev=st.query_lens,
+        )
+
+    def _graph_forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """The captured decode forward: metadata from the page table, then the model."""
+        md = self._decode_metadata(positions, rows, seq_lens)
         return self.model(ids, positions, ForwardContext(md))
 
     @torch.inference_mode()
@@ -508,17 +518,7 @@ class ModelRunner:
             if not step.logit_rows:
                 return None
             return self.model.compute_logits(normed.index_select(0, st.logit_rows))
-        width = -(-max(step.seq_lens) // self.page_size)
-        md = self.metadata(
-            st.positions,
-            st.rows,
-            st.seq_lens,
-            step.query_lens,
-            step.seq_lens,
-            width,
-            query_start=st.query_start,
-            query_lens_dev=st.query_lens,
-        )
+        md = self._step_metadata(step, st)
         normed, carried = self.model.forward_draft(
             st.ids, st.positions, source.index_select(0, rows), ForwardContext(md)
         )
@@ -545,17 +545,7 @@ class ModelRunner:
         if g is not None and not step.eager and step.is_decode_only and g.can_run(len(step.rows)):
             hidden = g.run(st.packed[: 4 * len(step.rows)].view(4, -1))
         else:
-            width = -(-max(step.seq_lens) // self.page_size)
-            md = self.metadata(
-                st.positions,
-                st.rows,
-                st.seq_lens,
-                step.query_lens,
-                step.seq_lens,
-                width,
-                query_start=st.query_start,
-                query_lens_dev=st.query_lens,
-            )
+            md = self._step_metadata(step, st)
             if self.prefill_threads and step.num_tokens >= PREFILL_STEP_TOKENS:
                 decode_threads = torch.get_num_threads()
                 torch.set_num_threads(self.prefill_threads)
