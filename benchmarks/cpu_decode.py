@@ -1,15 +1,22 @@
-"""CPU benchmark: moeserve vs HF transformers on the same GGUF and cores, one run.
+"""CPU benchmark: moeserve vs llama.cpp and HF transformers on the same GGUF and cores, one run.
 
 Decode: single-stream tok/s (128 greedy tokens, EOS ignored, prefill excluded) and throughput
-at concurrency 8, for moeserve's configurations and HF transformers (fp32, bf16).
+at concurrency 8 and 32, for moeserve's configurations, llama.cpp's single stream (its runs
+interleaved with moeserve's, so their ratio comes from one run) and HF transformers (fp32,
+bf16). llama.cpp is llama-cpp-python when it is importable (skipped with a note when not):
+the same GGUF file and thread count (every core), greedy (top_k 1); build it with
+`CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install
+llama-cpp-python`. Each moeserve engine runs with the torch threads it sets up for itself
+(1 where the native kernels serve, which have their own pool of every core; every core for
+torch's kernels).
 Prefill: tok/s of one prompt of 512 / 2k / 4k / 8k tokens (moeserve's default with the native
 CPU kernels and with torch's, chunked prefill, prefix cache off; HF bf16 forward with
 logits_to_keep=1 as generate() does), interleaved, best of the repeats. Batch invariance:
 decode at concurrency 16 and whether 16 batched greedy requests equal their solo runs, for
 the default (native kernels) and torch's kernels with and without --deterministic.
-Writes benchmarks/results/cpu_decode.json and .md.
+Writes benchmarks/results/cpu_decode.json and .md (with the CPU model and its SIMD flags).
 
-    python3 benchmarks/cpu_decode.py [--tokens 128] [--skip-hf] [--skip-decode]
+    PYTHONPATH=$PWD python3 benchmarks/cpu_decode.py [--tokens 128] [--skip-hf] [--skip-decode]
         [--prefill-lengths 512,2048,4096,8000]
 """
 
@@ -37,6 +44,26 @@ PROMPTS = [
     "What makes a good cup of coffee?",
 ]
 RESULTS = Path(__file__).parent / "results"
+CONCURRENCY = (8, 32)
+# /proc/cpuinfo flags that decide which kernels run (recorded with the results)
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "amx_bf16", "amx_int8")  # fmt: skip
+
+
+def _cores() -> int:
+    return os.cpu_count() or 1
+
+
+def _torch_threads_of(llm) -> None:
+    """The torch threads an engine set up for itself (runner._native_threads): engines built
+    earlier in this process may have changed the count since."""
+    native = llm.engine.loaded.kernel_plan.cpu_native
+    torch.set_num_threads(1 if native else _cores())
+
+
+def _batch(ids: list[list[int]], n: int) -> list[list[int]]:
+    """n prompts from the list, in turn (each request its own, even when prompts repeat)."""
+    return [ids[i % len(ids)] for i in range(n)]
 
 
 def _chat_ids(tok, text: str) -> list[int]:
@@ -46,16 +73,19 @@ def _chat_ids(tok, text: str) -> list[int]:
 
 
 def bench_moeserve(configs: dict[str, dict], n_tokens: int, repeats: int) -> list[dict]:
-    """Decode tok/s of moeserve's configurations, their runs interleaved (this machine's
-    speed drifts by tens of percent over minutes; back-to-back blocks would measure that)."""
+    """Decode tok/s of moeserve's configurations and llama.cpp's single stream, their runs
+    interleaved (this machine's speed drifts by tens of percent over minutes; back-to-back
+    blocks would measure that)."""
     from moeserve.engine.offline import LLM
     from moeserve.sampling import SamplingParams
 
     engines = {label: LLM(None, max_model_len=1024, **kw) for label, kw in configs.items()}
     ids = [_chat_ids(next(iter(engines.values())).tokenizer, p) for p in PROMPTS]
+    lcpp = _llama_cpp(n_tokens)
 
     def decode_rate(llm: LLM, batch: list[list[int]]) -> float:
         """Output tok/s after every request finished its prefill (decode-only steps)."""
+        _torch_threads_of(llm)
         eng = llm.engine
         params = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
         for i, p in enumerate(batch):
@@ -73,26 +103,69 @@ def bench_moeserve(configs: dict[str, dict], n_tokens: int, repeats: int) -> lis
             produced += sum(len(o.token_ids) for o in outs)
         return produced / (time.perf_counter() - t0)
 
-    single: dict[str, list[float]] = {label: [] for label in engines}
-    conc8: dict[str, list[float]] = {label: [] for label in engines}
+    runs: dict[str, dict[str, list[float]]] = {
+        label: {k: [] for k in ("single", *map(str, CONCURRENCY))} for label in engines
+    }
+    lcpp_runs: list[float] = []
     for llm in engines.values():
         decode_rate(llm, ids[:1])  # warm-up
+    if lcpp is not None:
+        lcpp(ids[0])
     for _ in range(repeats):
         for label, llm in engines.items():
-            single[label].append(decode_rate(llm, ids[:1]))
-            conc8[label].append(decode_rate(llm, ids))
-    return [
-        {
+            runs[label]["single"].append(decode_rate(llm, ids[:1]))
+            for c in CONCURRENCY:
+                runs[label][str(c)].append(decode_rate(llm, _batch(ids, c)))
+            if lcpp is not None:
+                lcpp_runs.append(lcpp(ids[0]))
+    rows = []
+    for label in engines:
+        row = {
             "system": "moeserve",
             "config": label,
             "engine_kwargs": configs[label],
-            "single_stream_tok_s": statistics.median(single[label]),
-            "single_runs": single[label],
-            "concurrency8_tok_s": statistics.median(conc8[label]),
-            "conc8_runs": conc8[label],
+            "single_stream_tok_s": statistics.median(runs[label]["single"]),
+            "single_runs": runs[label]["single"],
         }
-        for label in engines
-    ]
+        for c in CONCURRENCY:
+            row[f"concurrency{c}_tok_s"] = statistics.median(runs[label][str(c)])
+            row[f"conc{c}_runs"] = runs[label][str(c)]
+        rows.append(row)
+    if lcpp is not None:
+        rows.append(
+            {
+                "system": "llama.cpp",
+                "config": "llama-cpp-python, same GGUF",
+                "threads": _cores(),
+                "single_stream_tok_s": statistics.median(lcpp_runs),
+                "single_runs": lcpp_runs,
+            }
+        )
+    return rows
+
+
+def _llama_cpp(n_tokens: int):
+    """A function: prompt ids -> llama.cpp's greedy decode tok/s after its first token (the
+    same count as moeserve's), or None when llama-cpp-python is not importable."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from moeserve.loader import default_model_path
+
+    llm = Llama(model_path=default_model_path(), n_threads=_cores(), n_ctx=1024, verbose=False)
+
+    def rate(ids: list[int]) -> float:
+        t0, n = None, 0
+        for _ in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            n += 1
+            if t0 is None:
+                t0 = time.perf_counter()
+            if n == n_tokens:
+                break
+        return (n - 1) / (time.perf_counter() - t0)
+
+    return rate
 
 
 def bench_hf(dtype: torch.dtype, n_tokens: int, repeats: int) -> dict:
@@ -116,6 +189,7 @@ def bench_hf(dtype: torch.dtype, n_tokens: int, repeats: int) -> dict:
     ids = [_chat_ids(tok, p) for p in PROMPTS]
 
     def rate(batch: list[list[int]]) -> float:
+        torch.set_num_threads(_cores())
         width = max(map(len, batch))
         inp = torch.tensor([[2] * (width - len(b)) + b for b in batch])
         mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch])
@@ -168,10 +242,12 @@ def bench_prefill(lengths: list[int], repeats: int, with_hf: bool) -> list[dict]
         for r in range(repeats):
             ids = _random_ids(n, 1 + r)
             for kernels, llm in engines.items():
+                _torch_threads_of(llm)
                 t = time.perf_counter()
                 llm.generate([ids], one)
                 runs[kernels].append(n / (time.perf_counter() - t))
             if hf is not None:
+                torch.set_num_threads(_cores())
                 with torch.inference_mode():
                     t = time.perf_counter()
                     hf(torch.tensor([ids]), logits_to_keep=1)
@@ -213,11 +289,13 @@ def bench_deterministic(n_tokens: int, repeats: int) -> dict:
     batched: dict[str, list[list[int]]] = {}
     for _ in range(repeats):
         for mode, llm in engines.items():
+            _torch_threads_of(llm)
             t = time.perf_counter()
             batched[mode] = [c.token_ids for c in llm.generate(ids, params)]
             rates[mode].append(len(ids) * n_tokens / (time.perf_counter() - t))
     out: dict = {"concurrency": len(ids), "tokens": n_tokens, "modes": {}}
     for mode, llm in engines.items():
+        _torch_threads_of(llm)
         solo = [llm.generate([i], params)[0].token_ids for i in ids]
         out["modes"][mode] = {
             "tok_s": statistics.median(rates[mode]),
@@ -243,18 +321,24 @@ def _hf_model(dtype: torch.dtype):
 def _env() -> dict:
     import transformers
 
-    commit = git_commit()
+    commit = git_commit(mark_dirty=True)
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read().splitlines()
+    except OSError:
+        info = []
     cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in open("/proc/cpuinfo")
-            if ln.startswith("model name")
-        ),
+        (ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")),
         platform.processor(),
     )
+    flags = next((ln.split(":", 1)[1].split() for ln in info if ln.startswith("flags")), [])
+    from moeserve.kernels.cpu import native_status
+
     return {
         "commit": commit,
         "cpu": cpu,
+        "cpu_flags": [f for f in SIMD_FLAGS if f in flags],
+        "native_kernels": native_status(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -291,7 +375,7 @@ def main() -> None:
     }
     rows = bench_moeserve(configs, args.tokens, args.repeats)
     for r in rows:
-        print(r["config"], r["single_stream_tok_s"], r["concurrency8_tok_s"], flush=True)
+        print(r["config"], r["single_stream_tok_s"], r.get("concurrency8_tok_s"), flush=True)
     if not args.skip_hf:
         for dt in (torch.float32, torch.bfloat16):
             rows.append(bench_hf(dt, args.tokens, args.repeats))
@@ -310,29 +394,43 @@ def _write(args: argparse.Namespace, rows: list[dict], prefill: list[dict], det:
         "rows": rows,
         "prefill": prefill,
         "deterministic": det,
-        "target": "single-stream >= 3x HF transformers (fp32) on the same GGUF; prefill >= 2x "
-        "HF bf16 at 4k tokens",
+        "target": "single-stream >= 3x HF transformers (fp32) and >= 0.9x llama.cpp on the same "
+        "GGUF and cores; prefill >= 2x HF bf16 at 4k tokens",
     }
+    default = next((r for r in rows if r["config"] == "bf16+int4 (default)"), None)
+    lcpp = next((r for r in rows if r["system"] == "llama.cpp"), None)
+    if default and lcpp:
+        out["default_vs_llama_cpp"] = default["single_stream_tok_s"] / lcpp["single_stream_tok_s"]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "cpu_decode.json").write_text(json.dumps(out, indent=2))
     lines = [
         "# CPU decode: SmolLM2-135M-Instruct (Q4_1 GGUF)",
         "",
         f"commit {env['commit']}, {env['cpu']} ({env['cores']} cores), torch {env['torch']}, "
-        f"transformers {env['transformers']}, {env['date']}. {args.tokens} greedy tokens, EOS "
-        "ignored, prefill excluded; median of "
-        f"{args.repeats} runs, moeserve's configurations interleaved. Target: single-stream >= "
-        "3x HF fp32.",
+        f"transformers {env['transformers']}, {env['date']}. CPU flags: "
+        f"{' '.join(env['cpu_flags'])}; kernels: {env['native_kernels']}. {args.tokens} greedy "
+        f"tokens, EOS ignored, prefill excluded; median of {args.repeats} runs, moeserve's "
+        "configurations and llama.cpp interleaved. Targets: single-stream >= 3x HF fp32 and "
+        ">= 0.9x llama.cpp.",
         "",
-        "| system | config | single stream tok/s | x HF fp32 | concurrency 8 tok/s |",
-        "|---|---|---|---|---|",
+        "| system | config | single stream tok/s | x HF fp32 | "
+        + " | ".join(f"concurrency {c} tok/s" for c in CONCURRENCY)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(CONCURRENCY),
     ]
     for r in rows:
         ratio = f"{r['single_stream_tok_s'] / hf32:.2f}" if hf32 else "-"
-        lines.append(
-            f"| {r['system']} | {r['config']} | {r['single_stream_tok_s']:.1f} | "
-            f"{ratio} | {r['concurrency8_tok_s']:.1f} |"
+        conc = " | ".join(
+            f"{r[f'concurrency{c}_tok_s']:.1f}" if f"concurrency{c}_tok_s" in r else "-"
+            for c in CONCURRENCY
         )
+        lines.append(
+            f"| {r['system']} | {r['config']} | {r['single_stream_tok_s']:.1f} | {ratio} | {conc} |"
+        )
+    if "default_vs_llama_cpp" in out:
+        lines += ["", f"Default / llama.cpp single stream: {out['default_vs_llama_cpp']:.2f}."]
+    elif not lcpp:
+        lines += ["", "llama.cpp: llama-cpp-python is not installed here, skipped (docstring)."]
     lines += [
         "",
         "## Prefill (one prompt, default config: bf16 + int4, chunked prefill)",

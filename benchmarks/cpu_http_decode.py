@@ -1,8 +1,9 @@
 """CPU, the default model, count-to-50 at batch 1: the same decode over HTTP, offline, and in
 llama.cpp, in one run.
 
-- offline: `LLM(None)` in this process (torch's default thread count), greedy, 256 tokens,
-  EOS ignored; decode tok/s = tokens after the first / (time after the first token).
+- offline: `LLM(None)` in this process with its default threads (the native kernels' pool on
+  every core, torch on one), greedy, 256 tokens, EOS ignored; decode tok/s = tokens after the
+  first / (time after the first token).
 - HTTP: `moeserve serve` with its defaults in a subprocess, then `moeserve bench --scenario
   count-to-50` (streaming, its own process, as a user would measure it); its "steady-state
   decode, median" tok/s.
@@ -79,7 +80,16 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def http_rate(port: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def http_rate(port: int) -> tuple[float, int]:
+    """(steady-state decode tok/s, tokens the server generated: the scenario's requests and its
+    warm-up request, the same greedy request each)."""
     out = subprocess.run(
         [sys.executable, "-m", "moeserve.cli", "bench", "--base-url", f"http://127.0.0.1:{port}",
          "--scenario", "count-to-50"],
@@ -88,7 +98,13 @@ def http_rate(port: int) -> float:
     m = re.search(r"Steady-state decode, median \(tok/s\):\s+([\d.]+)", out.stdout)
     if m is None:
         raise RuntimeError(f"moeserve bench printed no steady-state rate:\n{out.stdout[-2000:]}")
-    return float(m.group(1))
+    n = re.search(r"Total generated tokens:\s+(\d+)", out.stdout)
+    done = re.search(r"Successful requests:\s+(\d+)", out.stdout)
+    warm = re.search(r"Warm-up requests \(excluded\):\s+(\d+)", out.stdout)
+    tokens = int(n.group(1)) if n else 0
+    if done and warm and int(done.group(1)):
+        tokens = tokens * (int(done.group(1)) + int(warm.group(1))) // int(done.group(1))
+    return float(m.group(1)), tokens
 
 
 def llama_cpp_model(path: str, threads: int):
@@ -140,7 +156,13 @@ def main() -> None:
         lcpp = llama_cpp_model(gguf, threads)
         passes = []
         for _ in range(args.passes):
-            r = {"offline": offline_rate(llm), "http": http_rate(port)}
+            c0 = cpu_seconds(os.getpid())
+            r = {"offline": offline_rate(llm)}
+            r["offline_cpu_ms_per_token"] = 1e3 * (cpu_seconds(os.getpid()) - c0) / TOKENS
+            c0 = cpu_seconds(server.pid)
+            r["http"], tokens = http_rate(port)
+            if tokens:
+                r["server_cpu_ms_per_token"] = 1e3 * (cpu_seconds(server.pid) - c0) / tokens
             if lcpp is not None:
                 r["llama_cpp"] = llama_cpp_rate(lcpp)
             passes.append(r)
@@ -177,9 +199,9 @@ def main() -> None:
         f"commit {env['commit']}, {env['cpu']} ({env['cores']} cores), torch {env['torch']}, "
         f"{env['date']}. benchmarks/cpu_http_decode.py (docstring): {TOKENS} greedy tokens, "
         f"decode tok/s after the first token, medians of {args.passes} interleaved passes. "
-        f"Offline: {threads} torch threads; server: its default ({env['server_threads']} engine "
-        "thread(s), the rest of the cores for the HTTP front end); the bench client in its own "
-        "process.",
+        f"Offline and the server with their defaults (the native kernels' pool on all "
+        f"{env['cores']} cores, torch on {env['server_threads']} in the server); llama.cpp on "
+        f"{threads} threads; the bench client in its own process.",
         "",
         "| path | decode tok/s (median) | passes | vs offline |",
         "|---|---|---|---|",
@@ -192,6 +214,13 @@ def main() -> None:
         if k in med:
             vals = ", ".join(f"{r[k]:.1f}" for r in passes)
             lines.append(f"| {label} | {med[k]:.1f} | {vals} | {med[k] / med['offline']:.2f} |")
+    if "server_cpu_ms_per_token" in med:
+        lines += [
+            "",
+            f"CPU time per generated token: offline process {med['offline_cpu_ms_per_token']:.2f} "
+            f"ms, server process {med['server_cpu_ms_per_token']:.2f} ms (engine, event loop and "
+            "HTTP; the bench client not counted).",
+        ]
     lines += ["", f"HTTP / offline: {http_ratio:.2f} (target >= 0.90)."]
     if "llama_cpp" in med:
         lines.append(

@@ -236,7 +236,7 @@ def _pattern_matcher(quant: QuantConfig, pattern: str) -> QuantConfig | None:
 def _unserved(pattern: str, num_layers: int) -> str:
     """What a pattern that hits no module of the text model is about."""
     if any(v in pattern for v in _VISION):
-        return "the vision tower (not served)"
+        return "the vision tower and projector (kept in BF16)"
     layers = [int(n) for n in re.findall(r"layers\.(\d+)", pattern)]
     if _MTP.search(pattern) or any(n >= num_layers for n in layers):
         return "MTP layers (served only as the draft model: --speculative-config method mtp)"
@@ -504,6 +504,11 @@ def check_folder(folder: str) -> CheckReport:
                 f"{wrong[0]} in {weight_map[wrong[0]]}"
             )
     missing = sim.missing()
+    vision_line, no_vision = _vision_report(cfg, sim, tensors)
+    if no_vision:  # a vision config without its tensors: served as text only
+        missing = [m for m in missing if not m.startswith("vision.")]
+    if vision_line:
+        report.lines.append(vision_line)
     if missing:
         report.problems.append(
             f"{len(missing)} tensor(s) the model needs are missing, e.g. "
@@ -524,6 +529,28 @@ def check_folder(folder: str) -> CheckReport:
     report.lines.append(f"tensors: {used:,} used" + "".join(f", {n}" for n in notes))
     report.lines.append("KV cache: " + _kv_scheme(model, kv_algo, sim.loaded))
     return report
+
+
+def _vision_report(cfg: Any, sim: _LoadSimulation, tensors: list) -> tuple[str, bool]:
+    """The line about Kimi-K2.5's vision encoder, and whether its tensors are all absent."""
+    if cfg.vision is None:
+        return "", False
+    v = cfg.vision
+    params = [n for n in sim.params if n.startswith("vision.")]
+    filled = [n for n in params if sim.loaded.get(n)]
+    stored = sum(1 for t in tensors if t.name.startswith(_VISION))
+    what = (
+        f"MoonViT {v.num_hidden_layers} layers, width {v.hidden_size}, patch {v.patch_size}, "
+        f"{v.merge_kernel_size[0]}x{v.merge_kernel_size[1]} merge -> {v.text_hidden_size}"
+    )
+    if not filled:
+        return f"vision: {what}; no vision tensors stored, served as text only", True
+    n = sum(sim.params[p].numel() for p in params)
+    return (
+        f"vision: {what}; {stored} tensors ({n / 1e6:.1f}M parameters) fill {len(filled)} of "
+        f"{len(params)} encoder parameters; image input served",
+        False,
+    )
 
 
 def _kv_scheme(model: nn.Module, algo: str | None, loaded: dict[str, set]) -> str:
@@ -571,6 +598,13 @@ def check_gguf(path: str) -> CheckReport:
             report.problems.append(
                 f"{arch}.block_count is {blocks} but layers {_ranges(lacking)} have no tensors"
             )
+    if arch == "deepseek2":
+        nextn = src.raw.get("deepseek2.nextn_predict_layers", 0)
+        report.lines.append(
+            f"MTP: {nextn} nextn block(s) (the draft model of --speculative-config method mtp)"
+            if nextn
+            else "MTP: none (llama.cpp's deepseek2 converter drops DeepSeek-V3's MTP layer)"
+        )
     report.lines.append("tensor names: header-level check only for GGUF")
     return report
 
@@ -584,10 +618,74 @@ def check_checkpoint(path: str) -> CheckReport:
         return check_gguf(resolved)
     if not os.path.isfile(os.path.join(resolved, "config.json")):
         raise LoadError(f"{path} is neither a .gguf file nor a folder with config.json")
+    from moeserve.models.eagle3 import is_eagle3_config
+
+    if is_eagle3_config(_read_json(os.path.join(resolved, "config.json"))):
+        return check_eagle3_folder(resolved)
     try:
         return check_folder(resolved)
     except ConfigError as e:
         raise LoadError(f"{path}: {e}") from None
+
+
+def check_eagle3_folder(folder: str) -> CheckReport:
+    """An EAGLE-3 draft head's folder: what it is, and every stored tensor routed to the
+    head's parameters (shapes compared; merged q/k/v, q_a + kv_a and gate + up by name)."""
+    from moeserve.loader.eagle3 import describe_draft
+    from moeserve.models.eagle3 import Eagle3DraftHead
+
+    tensors, files, _ = read_headers(folder)
+    draft = describe_draft(folder)
+    cfg = draft.config
+    report = CheckReport()
+    total = sum(t.nbytes for t in tensors)
+    report.lines += [
+        f"{folder}: {draft.describe()}",
+        f"{len(tensors)} tensors in {len(files)} file(s), {total / 2**20:.1f} MiB; a draft "
+        "model: serve it beside its target with --speculative-config "
+        f'{{"method": "eagle3", "model": "{folder}"}}',
+    ]
+    if draft.quantized:
+        report.problems.append("quantized EAGLE-3 heads are not supported (BF16/FP16 ones are)")
+    with torch.device("meta"):
+        head = Eagle3DraftHead(
+            cfg,
+            cfg.layer.vocab_size,
+            own_embed=draft.own_embed,
+            own_head=draft.own_head(cfg.layer.vocab_size),
+        )
+    params = dict(head.named_parameters())
+    merged = ("qkv_proj", "fused_qkv_a_proj", "gate_up_proj")
+    parts = {"q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa"}
+    parts |= {"gate_proj", "up_proj"}
+    seen: set[str] = set()
+    for t in tensors:
+        name = head.checkpoint_name(t.name)
+        if name is None or name == "d2t":
+            continue
+        part = next((p for p in parts if f".{p}." in name), None)
+        if part is not None:
+            fused = next(
+                (name.replace(f".{part}.", f".{m}.") for m in merged
+                 if name.replace(f".{part}.", f".{m}.") in params),
+                None,
+            )  # fmt: skip
+            if fused is not None:
+                seen.add(fused)
+                continue
+        param = params.get(name)
+        if param is None:
+            report.problems.append(f"tensor {t.name} matches no parameter of the head")
+        elif tuple(param.shape) != t.shape:
+            report.problems.append(
+                f"tensor {t.name} is {list(t.shape)}, the head's config gives {list(param.shape)}"
+            )
+        else:
+            seen.add(name)
+    for name, p in params.items():
+        if name not in seen and not getattr(p, "optional", False):
+            report.problems.append(f"the folder lacks {name}")
+    return report
 
 
 # ---- CLI ----------------------------------------------------------------------------------------

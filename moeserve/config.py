@@ -66,6 +66,71 @@ def served_context_len(requested: int | None, model_positions: int) -> int:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """Kimi-K2.5's MoonViT tower and patch-merger projector (config.json `vision_config`,
+    with the published `vt_*` names; transformers' names are read where those are absent),
+    and the token that stands for one merged patch in the prompt."""
+
+    hidden_size: int = 1152
+    num_hidden_layers: int = 27
+    num_attention_heads: int = 16
+    intermediate_size: int = 4304
+    patch_size: int = 14
+    pos_emb_height: int = 64
+    pos_emb_width: int = 64
+    pos_emb_time: int = 4
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    projector_ln_eps: float = 1e-5
+    text_hidden_size: int = 7168
+    media_placeholder_token_id: int = 163605
+
+    @staticmethod
+    def from_hf(v: dict[str, Any], text_hidden: int, placeholder: int | None) -> VisionConfig:
+        d = VisionConfig()
+
+        def pick(*names: str, default: Any) -> Any:
+            return next((v[n] for n in names if v.get(n) is not None), default)
+
+        kernel = pick("merge_kernel_size", default=d.merge_kernel_size)
+        if isinstance(kernel, int):
+            kernel = (kernel, kernel)
+        if v.get("merge_type", "sd2_tpool") != "sd2_tpool" or v.get(
+            "mm_projector_type", "patchmerger"
+        ) not in ("patchmerger",):
+            raise ConfigError(
+                "vision_config: only MoonViT's sd2_tpool merge with the patchmerger projector "
+                "is supported"
+            )
+        return VisionConfig(
+            hidden_size=int(pick("vt_hidden_size", "hidden_size", default=d.hidden_size)),
+            num_hidden_layers=int(
+                pick("vt_num_hidden_layers", "num_hidden_layers", default=d.num_hidden_layers)
+            ),
+            num_attention_heads=int(
+                pick("vt_num_attention_heads", "num_attention_heads", default=d.num_attention_heads)
+            ),
+            intermediate_size=int(
+                pick("vt_intermediate_size", "intermediate_size", default=d.intermediate_size)
+            ),
+            patch_size=int(pick("patch_size", default=d.patch_size)),
+            pos_emb_height=int(pick("init_pos_emb_height", "pos_emb_height", default=64)),
+            pos_emb_width=int(pick("init_pos_emb_width", "pos_emb_width", default=64)),
+            pos_emb_time=int(pick("init_pos_emb_time", "pos_emb_time", default=4)),
+            merge_kernel_size=(int(kernel[0]), int(kernel[1])),
+            projector_ln_eps=float(pick("projector_ln_eps", default=d.projector_ln_eps)),
+            text_hidden_size=int(text_hidden),
+            media_placeholder_token_id=int(
+                placeholder if placeholder is not None else d.media_placeholder_token_id
+            ),
+        )
+
+    @property
+    def merge_size(self) -> int:
+        """Patches merged into one token (2 x 2)."""
+        return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only model: dense Llama or DeepSeek-V3 (MLA + MoE)."""
 
@@ -111,6 +176,8 @@ class ModelConfig:
     mtp_index: int = -1
     # where the text model's weights live inside the checkpoint ("" or "language_model.")
     weight_prefix: str = ""
+    # Kimi-K2.5's vision tower and projector (None: a text-only model)
+    vision: VisionConfig | None = None
     # serving layout, not architecture: shared experts run as extra slots of the routed
     # experts' fused kernel where their format allows (layers/moe.py shared_expert_slots);
     # False keeps them a separate MLP (tests compare the two)
@@ -158,10 +225,15 @@ class ModelConfig:
         arch = archs[0] if archs else config.get("model_type", "")
         if arch == "KimiK25ForConditionalGeneration" or config.get("model_type") == "kimi_k25":
             text = dict(config["text_config"])
-            if "vision_config" in config:
-                log.info("Kimi-K2.5: vision tower skipped (text-only serving)")
             cfg = ModelConfig._deepseek_from_hf(text)
-            return replace(cfg, weight_prefix="language_model.")
+            vision = None
+            if config.get("vision_config"):
+                vision = VisionConfig.from_hf(
+                    config["vision_config"],
+                    cfg.hidden_size,
+                    config.get("media_placeholder_token_id", config.get("image_token_id")),
+                )
+            return replace(cfg, weight_prefix="language_model.", vision=vision)
         if arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "deepseek_v3", "deepseek_v2"):
             return ModelConfig._deepseek_from_hf(config)
         if arch in ("LlamaForCausalLM", "llama", "MistralForCausalLM", "mistral"):
@@ -451,13 +523,16 @@ class LoadConfig(_Settings):
     seed: int = setting(0, "seed of the default random generators and of dummy weights")
     threads: int | None = setting(
         None,
-        "CPU threads for torch (default: torch's; `serve` leaves one core to the HTTP front end)",
+        "CPU threads for torch's kernels (default: torch's; `serve` leaves one core to the HTTP "
+        "front end; where the native CPU kernels serve, torch only glues them and runs on one)",
         minimum=1,
     )
     prefill_threads: int | None = setting(
         None,
         "CPU threads for steps of many tokens (prefill chunks), which gain more from every "
-        "core than they lose to the front end (default: the rank's share of all cores)",
+        "core than they lose to the front end, and for the native CPU kernels at every step "
+        "(their pool shares cores without waiting on them) (default: the rank's share of all "
+        "cores)",
         minimum=1,
     )
     cpu_kernels: str = setting(
@@ -615,9 +690,10 @@ class SpeculativeConfig:
     `prompt_lookup_min`..`prompt_lookup_max` tokens. `suffix`: a suffix tree over this request
     and recently finished ones; the draft ends where the tree's continuation frequency falls
     below `suffix_decoding_min_token_prob`, and is at most `suffix_decoding_max_spec_factor`
-    times the matched length. `eagle3` / `mtp`: a draft model (`model`: its folder; MTP reads
-    the target checkpoint's own MTP layers). `adaptive`: draft fewer tokens, or none, where the
-    measured verify cost and the request's running acceptance say it does not pay.
+    times the matched length. `eagle3` / `mtp`: a draft model (`model`: an EAGLE-3 head's
+    folder; MTP reads the target checkpoint's own MTP layers). `adaptive`: draft fewer tokens,
+    or none, where the measured verify cost and the request's running acceptance say it does
+    not pay.
     """
 
     method: str
@@ -662,10 +738,10 @@ class SpeculativeConfig:
             raise ConfigError(
                 "--speculative-config: suffix_decoding_min_token_prob must be in [0, 1]"
             )
-        if method == "eagle3":
+        if method == "eagle3" and not (isinstance(self.model, str) and self.model):
             raise ConfigError(
-                "--speculative-config: method eagle3 (EAGLE-3 draft heads) is not available yet; "
-                "use ngram, suffix or mtp"
+                '--speculative-config: method eagle3 needs "model", the EAGLE-3 draft '
+                "head's folder"
             )
 
     @classmethod
@@ -731,9 +807,10 @@ class EngineConfig(_Settings):
         None,
         "speculative decoding, as a JSON object with vLLM's keys: "
         '{"method": "ngram" | "suffix" | "eagle3" | "mtp", "num_speculative_tokens": K, '
-        '"model": PATH, "prompt_lookup_min": N, "prompt_lookup_max": M}; drafts are verified '
-        "in one step, so greedy output is exactly that of plain decoding and sampled output "
-        "follows the same distribution",
+        '"model": PATH, "prompt_lookup_min": N, "prompt_lookup_max": M}; eagle3 loads the '
+        "EAGLE-3 draft head in the folder PATH (Llama-style or MLA), mtp the checkpoint's own "
+        "MTP layer; drafts are verified in one step, so greedy output is exactly that of plain "
+        "decoding and sampled output follows the same distribution",
     )
 
     def __post_init__(self) -> None:
@@ -804,6 +881,23 @@ class ServerConfig(_Settings):
         "exits at once)",
         minimum=0.0,
     )
+    allowed_media_domains: str | None = setting(
+        None,
+        "comma-separated hosts whose http(s) image URLs the server may fetch (default: none; "
+        "data: URLs are always accepted)",
+    )
+    max_images_per_request: int = setting(
+        8, "most images one chat request may hold (vision models)", minimum=0
+    )
+    max_image_bytes: int = setting(
+        10 << 20, "largest image file in bytes, decoded from a data: URL or fetched", minimum=1
+    )
+    max_image_pixels: int = setting(
+        40_000_000,
+        "largest image in pixels (width x height), checked before it is decoded",
+        minimum=1,
+    )
+    media_fetch_timeout: float = setting(10.0, "seconds an image URL fetch may take", minimum=0.001)
 
 
 # ---- settings <-> flags ---------------------------------------------------------------------

@@ -2,9 +2,11 @@
 
 Memory is `memory.total` as `nvidia-smi` reports it (MiB); torch's `mem_get_info` total is the
 same figure or a little less. Bandwidth and links are the vendor's datasheet figures (leads,
-not measurements). `peer_access`: whether GPUs of one host can read each other's memory (the
-one-shot all-reduce needs it); PCIe cards are not assumed to have it, and the engine probes
-it at start-up (`torch.cuda.can_device_access_peer`). Add a GPU here to plan for it.
+not measurements). `interconnect`: whether GPUs of one host can read each other's memory (the
+one-shot all-reduce needs it); PCIe cards are not assumed to have it (`moeserve plan --p2p`
+says otherwise), and the engine probes it at start-up (`torch.cuda.can_device_access_peer`).
+`ALL_REDUCE_FIGURES`: small all-reduce latencies measured on some kinds, each with its source,
+for the plan's decode projection. Add a GPU here to plan for it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,42 @@ GPUS: dict[str, GpuSpec] = {
         ),
         GpuSpec("l40s", "NVIDIA L40S", 46068, (8, 9), 0.864, "pcie", "PCIe 4.0 x16, no NVLink"),
     )
+}
+
+
+@dataclass(frozen=True)
+class AllReduceFigures:
+    """Small all-reduce latencies measured on a GPU kind (not here: `source` says where), for
+    `moeserve plan`'s decode projection: the one-shot kernel over peer memory and NCCL."""
+
+    gpus: int  # GPUs of the measurement
+    one_shot_us: tuple[float, float]  # (low, high)
+    nccl_us: float
+    max_bytes: int  # the largest message the latencies cover
+    source: str
+
+    @property
+    def one_shot_mid_us(self) -> float:
+        return sum(self.one_shot_us) / 2
+
+
+ALL_REDUCE_FIGURES: dict[str, AllReduceFigures] = {
+    "rtx-pro-6000": AllReduceFigures(
+        8,
+        (7.5, 9.0),
+        24.0,
+        8 << 10,
+        "custom one-shot all-reduces vs NCCL for messages up to 8 KB on 8 RTX PRO 6000 "
+        "(PCIe, P2P ~54 GB/s, ~0.4 us), measured by others; not measured here",
+    ),
+    "h200": AllReduceFigures(
+        2,
+        (4.70, 4.70),
+        14.63,
+        14 << 10,
+        "fused all-reduce + residual + RMSNorm of 14 KB on 2 H200 in a CUDA graph "
+        "(benchmarks/results/allreduce.md); 8 GPUs not measured",
+    ),
 }
 
 

@@ -12,7 +12,12 @@ meta device once per distinct rank, exactly as the engine would build it, and re
 - KV pages for `--gpu-memory-utilization` of the GPU's memory and the max context, through
   the engine's own `plan_kv_pages` and printed as the engine's table;
 - the kernels that would run and every fallback with its reason: the kernel plan
-  (`moeserve.layers.kernel_plan`), the one object the engine resolves at start-up too.
+  (`moeserve.layers.kernel_plan`), the one object the engine resolves at start-up too;
+- with several GPUs of one host, the all-reduce for both topologies (peer access between every
+  pair, or not: `--p2p` picks the one the kernel plan assumes), the all-reduces of a decode step
+  and their bytes, and a projected decode step for each: the bytes one GPU reads at batch 1 over
+  its datasheet bandwidth plus the all-reduces at latencies measured elsewhere
+  (`moeserve.hardware.ALL_REDUCE_FIGURES`, quoted with their source).
 
 Exit code: 0 when the deployment fits, 1 when it does not (the plan then names the smallest
 `-tp` that fits), 2 for a usage error.
@@ -41,7 +46,15 @@ from moeserve.config import (
     parse_dtype,
 )
 from moeserve.engine.memory import GIB, MemoryPlan, format_memory_table, plan_kv_pages
-from moeserve.hardware import GPUS, GPUS_PER_HOST, MIB, GpuSpec, gpu_spec
+from moeserve.hardware import (
+    ALL_REDUCE_FIGURES,
+    GPUS,
+    GPUS_PER_HOST,
+    MIB,
+    GpuSpec,
+    Interconnect,
+    gpu_spec,
+)
 from moeserve.layers.kernel_plan import Hardware, KernelPlan, PlanSettings, resolve_kernel_plan
 from moeserve.layers.quant.base import QuantConfig, UnquantizedLinearMethod
 from moeserve.loader.source import ModelSource, describe_source
@@ -59,6 +72,11 @@ HIDDEN_STREAM_BUFFERS = 6
 LOGIT_COPIES = 2
 # largest -tp tried when a deployment does not fit
 MAX_SUGGESTED_TP = 256
+# the cached context of the one sequence a projected decode step reads (tokens)
+PROJECTED_CONTEXT = 4096
+# all-reduces of a decode step besides two per decoder layer: the vocab-parallel embedding's
+EMBEDDING_ALL_REDUCES = 1
+US = 1e-6
 
 
 # ---- weights per rank -----------------------------------------------------------------------
@@ -71,12 +89,16 @@ WEIGHT_PARTS = (
     "embedding + lm_head",
     "norms + buffers",
     "MTP draft layer",
+    "EAGLE-3 draft head",
+    "vision encoder",
 )
 
 
 def _part(name: str) -> str:
     if name.startswith("mtp."):  # the draft model of --speculative-config method mtp
         return "MTP draft layer"
+    if name.startswith("vision."):  # Kimi-K2.5's tower and projector, on rank 0
+        return "vision encoder"
     if ".self_attn." in name:
         return "attention"
     if ".mlp.experts." in name:
@@ -157,6 +179,30 @@ def rank_weights(model: nn.Module) -> RankWeights:
     return RankWeights(parts, experts)
 
 
+def eagle3_meta_head(
+    path: str, cfg: ModelConfig, dtype: torch.dtype, tp: int
+) -> tuple[nn.Module, str]:
+    """An EAGLE-3 draft head's folder built for the target `cfg` as rank 0 of `tp` holds it,
+    on the meta device (its tensor headers say whether it brings its embedding / LM head),
+    and what it is."""
+    from moeserve.loader.eagle3 import describe_draft
+    from moeserve.models.eagle3 import Eagle3DraftHead
+
+    draft = describe_draft(path)
+    head_cfg = draft.config
+    with torch.device("meta"):
+        head = Eagle3DraftHead(
+            head_cfg,
+            cfg.vocab_size,
+            _tp_group(0, tp, False),
+            dtype,
+            own_embed=draft.own_embed,
+            own_head=draft.own_head(cfg.vocab_size),
+        )
+    head.aux_layer_ids = head_cfg.aux_layers(cfg)
+    return head, draft.describe()
+
+
 def weights_per_gpu(
     cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, tp: int, ep: bool
 ) -> tuple[RankWeights, nn.Module]:
@@ -219,6 +265,31 @@ def activation_estimate(
     return hidden + attention + mlp + logits
 
 
+def largest_image_patches(cfg: ModelConfig, path: str | None) -> int:
+    """Patches of the largest image the checkpoint's processor makes."""
+    from moeserve.multimodal.kimi import MediaProcessorConfig, largest_image_grid
+
+    assert cfg.vision is not None
+    _, rows, cols = largest_image_grid(MediaProcessorConfig.for_model(cfg.vision, path))
+    return rows * cols
+
+
+def vision_activation_estimate(cfg: ModelConfig, patches: int, act_bytes: int) -> int:
+    """Peak bytes of encoding one image of `patches` patches (rank 0): in a block, the
+    residual stream and its norm (2 x D), q/k/v (3 D) with their fp32 roped copies (2 D x
+    4 B), the attention output (D), the MLP's hidden and its activation (2 x intermediate);
+    then the merged blocks (4 D) and the projector's hidden (4 D) and output (text hidden)
+    per token."""
+    v = cfg.vision
+    assert v is not None
+    d = v.hidden_size
+    block = patches * ((2 + 3 + 1) * d + 2 * v.intermediate_size) * act_bytes
+    block += patches * 2 * d * FP32_BYTES
+    tokens = patches // v.merge_size
+    merge = tokens * (2 * v.merge_size * d + v.text_hidden_size) * act_bytes
+    return block + merge
+
+
 def absorbed_weight_bytes(model: nn.Module, act_dtype: torch.dtype) -> int:
     """Decode's dense copy of kv_b_proj (MLA layers whose kv_b_proj is stored quantized or in
     another dtype), made once when CUDA graphs are prepared."""
@@ -243,6 +314,7 @@ class Plan:
     tp: int
     expert_parallel: bool
     model_cfg: ModelConfig
+    quant: QuantConfig
     quant_name: str
     quant_source: str
     act_dtype: torch.dtype
@@ -255,6 +327,11 @@ class Plan:
     kv_need_tokens: int  # what the KV cache must hold for the deployment to fit
     index_total: int | None  # a safetensors index's total_size (all ranks, as stored)
     shared_slots: int = 0  # shared experts held as slots of the routed banks (layers/moe.py)
+    interconnect: Interconnect = "nvlink"  # what the kernel plan assumed (--p2p)
+    all_reduce: str = "auto"  # --all-reduce
+    vision_activation: int = 0  # encoding the largest image (rank 0), counted in activations
+    draft: str = ""  # an EAGLE-3 draft head: what it is (moeserve.loader.eagle3)
+    draft_kv_bytes: int = 0  # its cache's bytes per token, within kv_bytes_per_token
 
     @property
     def hosts(self) -> int:
@@ -285,9 +362,22 @@ def describe_checkpoint(path: str) -> ModelSource:
     return describe_source(path)
 
 
-def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig) -> Plan:
+def planned_interconnect(gpu: GpuSpec, p2p: bool | None) -> Interconnect:
+    """The interconnect planned for: the GPU table's (None), or with peer access between every
+    pair (True) or without (False: the driver or the platform refuses it)."""
+    if p2p is None:
+        return gpu.interconnect
+    if not p2p:
+        return "pcie"
+    return "nvlink" if gpu.interconnect == "nvlink" else "pcie-p2p"
+
+
+def plan_deployment(
+    path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig, p2p: bool | None = None
+) -> Plan:
     """The plan of serving the checkpoint at `path` with `engine`'s settings on `num_gpus`
-    GPUs of kind `gpu` (tensor parallel size: engine.parallel.tensor_parallel_size)."""
+    GPUs of kind `gpu` (tensor parallel size: engine.parallel.tensor_parallel_size); `p2p`:
+    see planned_interconnect."""
     from moeserve.loader.base import resolve_kv_cache_dtype
 
     src = describe_checkpoint(path)
@@ -316,16 +406,36 @@ def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig
         tp_size=tp,
         hosts=hosts,
         all_reduce=engine.parallel.all_reduce,
-        interconnect=gpu.interconnect,
+        interconnect=planned_interconnect(gpu, p2p),
     )
     kernel_plan = resolve_kernel_plan(cfg, quant, Hardware.planned_gpu(gpu.capability), settings)
     kv_dtype = kernel_plan.kv_cache_dtype
-    per_token = sum(layer.kv_cache_bytes_per_token(kv_dtype) for layer in model.attention_layers())
+    layers = model.attention_layers()
+    draft, draft_kv = "", 0
+    if spec is not None and spec.method == "eagle3":  # the head, its aux buffer and its cache
+        from moeserve.models.eagle3 import head_cache_dtype
+
+        head, draft = eagle3_meta_head(spec.model, cfg, act_dtype, tp)
+        head_kv = head_cache_dtype(head.config, kv_dtype, act_dtype)
+        draft_kv = sum(a.kv_cache_bytes_per_token(head_kv) for a in head.attention_layers())
+        rows = max(engine.scheduler.max_num_batched_tokens, engine.graph_max_batch("cuda"))
+        aux = rows * len(head.aux_layer_ids) * cfg.hidden_size * act_dtype.itemsize
+        parts = dict(weights.by_part)
+        parts["EAGLE-3 draft head"] = rank_weights(head).total + aux
+        weights = replace(weights, by_part=parts)
+    per_token = draft_kv + sum(layer.kv_cache_bytes_per_token(kv_dtype) for layer in layers)
     sched = engine.scheduler
     tokens = sched.max_num_batched_tokens
     act = activation_estimate(
         cfg, tp, tokens, min(tokens, sched.max_num_seqs), tokens, act_dtype.itemsize, ep
     )
+    vision_act = 0
+    if cfg.vision is not None:  # rank 0 encodes images: the largest, and the output cache
+        from moeserve.multimodal.cache import DEFAULT_ENCODER_CACHE_BYTES
+
+        patches = largest_image_patches(cfg, path)
+        vision_act = vision_activation_estimate(cfg, patches, act_dtype.itemsize)
+        act += vision_act + DEFAULT_ENCODER_CACHE_BYTES
     graphs_on = kernel_plan.cuda_graphs
     graph = 0
     if graphs_on:
@@ -363,6 +473,7 @@ def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig
         tp=tp,
         expert_parallel=ep,
         model_cfg=cfg,
+        quant=quant,
         quant_name=quant.name,
         quant_source=source,
         act_dtype=act_dtype,
@@ -377,6 +488,11 @@ def plan_deployment(path: str, gpu: GpuSpec, num_gpus: int, engine: EngineConfig
         shared_slots=next(
             (m.shared_slots for m in model.modules() if hasattr(m, "shared_slots")), 0
         ),
+        vision_activation=vision_act,
+        interconnect=settings.interconnect,
+        all_reduce=settings.all_reduce,
+        draft=draft,
+        draft_kv_bytes=draft_kv,
     )
 
 
@@ -396,6 +512,89 @@ def smallest_fitting_tp(path: str, gpu: GpuSpec, engine: EngineConfig) -> int | 
         if plan.fits:
             return tp
     return None
+
+
+# ---- all-reduce by topology -------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeTraffic:
+    """What one GPU moves in a decode step at batch 1: the all-reduces (count, and bytes per
+    token of each) and the bytes it reads (weights the token touches + its cached context)."""
+
+    all_reduces: int
+    all_reduce_bytes_per_token: int
+    read_bytes: int
+
+
+def decode_traffic(plan: Plan, context: int = PROJECTED_CONTEXT) -> DecodeTraffic:
+    """Two all-reduces per decoder layer (attention's and the MLP's partial sums, each fused
+    with the next norm) and the embedding's, of hidden x the activation dtype per token; the
+    logits are all-gathered, not counted. Bytes read at batch 1: every weight but the routed
+    experts, of which the k routed of E (on average, any split), and the LM head's slice but not
+    the embedding table (one row); the latent cache of `context` tokens. The MTP draft layer
+    and the vision encoder are not counted."""
+    cfg, parts = plan.model_cfg, plan.weights.by_part
+    layers = cfg.num_hidden_layers - (1 if cfg.mtp_index >= 0 else 0)
+    routed = parts.get("routed experts", 0)
+    if cfg.n_routed_experts:
+        routed = routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+    skipped = {"routed experts", "embedding + lm_head", "MTP draft layer", "vision encoder"}
+    read = sum(v for k, v in parts.items() if k not in skipped) + routed
+    read += parts.get("embedding + lm_head", 0) // 2  # the LM head's half
+    read += plan.memory.kv_bytes_per_token * context
+    return DecodeTraffic(
+        2 * layers + EMBEDDING_ALL_REDUCES, cfg.hidden_size * plan.act_dtype.itemsize, read
+    )
+
+
+def all_reduce_lines(plan: Plan) -> list[str]:
+    """The all-reduce for both topologies, the all-reduces of a decode step, and the projected
+    decode step of each (module docstring)."""
+    from moeserve.parallel.comm import choose_all_reduce, planned_topology
+
+    traffic = decode_traffic(plan)
+    cases = [("P2P between every pair", True), ("no P2P", False)]
+    if plan.hosts > 1:
+        cases = [(f"{plan.hosts} hosts", False)]
+    floor_s = traffic.read_bytes / (plan.gpu.hbm_tb_s * 1e12)
+    figures = ALL_REDUCE_FIGURES.get(plan.gpu.key)
+    lines = [
+        f"all-reduce by topology (-tp {plan.tp}): {traffic.all_reduces} per decode step (2 per "
+        f"layer x {(traffic.all_reduces - EMBEDDING_ALL_REDUCES) // 2} + the embedding's), "
+        f"{traffic.all_reduce_bytes_per_token:,} B per token each ({plan.model_cfg.hidden_size} "
+        f"x {_dtype(plan.act_dtype)}); the logits are all-gathered once"
+    ]
+    steps = []
+    for name, p2p in cases:
+        ic = planned_interconnect(plan.gpu, p2p)
+        choice = choose_all_reduce(plan.tp, planned_topology(ic, plan.hosts), plan.all_reduce)
+        mine = " [this plan]" if ic == plan.interconnect else ""
+        lines.append(f"  {name}: {choice.line()}{mine}")
+        if figures is not None:
+            one_shot = choice.kind == "one-shot"
+            us = figures.one_shot_mid_us if one_shot else figures.nccl_us
+            steps.append((name, us, "one-shot" if one_shot else "NCCL"))
+    lines.append(
+        f"projected decode step, batch 1, {PROJECTED_CONTEXT:,}-token context (estimate): "
+        f"{traffic.read_bytes / 1e9:.2f} GB read per GPU, {floor_s * 1e3:.2f} ms at "
+        f"{plan.gpu.hbm_tb_s:g} TB/s (datasheet)"
+    )
+    if figures is None:
+        lines.append(f"  no all-reduce latency figure for {plan.gpu.key}: not projected")
+        return lines
+    for name, us, kind in steps:
+        ar_s = traffic.all_reduces * us * US
+        total = floor_s + ar_s
+        lines.append(
+            f"  {name}: + {traffic.all_reduces} x {us:g} us {kind} = {ar_s * 1e3:.2f} ms -> "
+            f"{total * 1e3:.2f} ms per step, {1 / total:.0f} tok/s ({ar_s / total:.0%} all-reduce)"
+        )
+    lines.append(f"  all-reduce latencies: {figures.source}")
+    if traffic.all_reduce_bytes_per_token > figures.max_bytes:
+        lines.append(
+            f"  a one-token all-reduce of {traffic.all_reduce_bytes_per_token:,} B is above the "
+            f"{figures.max_bytes:,} B the latencies cover: taken as the same latency"
+        )
+    return lines
 
 
 # ---- output -----------------------------------------------------------------------------------
@@ -442,7 +641,19 @@ def format_plan(plan: Plan, suggestion: int | None = None) -> str:
     if plan.index_total is not None:
         lines.append(
             f"safetensors index: {_gib(plan.index_total)} stored for all ranks (includes what "
-            "the server skips: vision tower, MTP layers)"
+            "the server skips: MTP layers)"
+        )
+    if cfg.vision is not None:
+        from moeserve.multimodal.cache import DEFAULT_ENCODER_CACHE_BYTES
+
+        v = cfg.vision
+        patches = largest_image_patches(cfg, plan.path)
+        lines.append(
+            f"vision encoder (rank 0): MoonViT {v.num_hidden_layers} layers, width "
+            f"{v.hidden_size}, {_gib(plan.weights.by_part.get('vision encoder', 0))}; the "
+            f"largest image ({patches:,} patches, {patches // v.merge_size:,} tokens) peaks at "
+            f"{_gib(plan.vision_activation)}, plus {_gib(DEFAULT_ENCODER_CACHE_BYTES)} of "
+            "cached image embeddings (both counted in activations)"
         )
     layers = cfg.num_hidden_layers
     mtp = " + the MTP draft layer" if cfg.mtp_index >= 0 else ""
@@ -453,6 +664,9 @@ def format_plan(plan: Plan, suggestion: int | None = None) -> str:
         )
     else:
         how = f"{layers} layers, K and V of this rank's KV heads"
+    if plan.draft:
+        how += f"; + {plan.draft_kv_bytes:,} B of the EAGLE-3 head's cache"
+        lines.append(f"draft model: {plan.draft}")
     lines.append(
         f"KV cache: {_dtype(plan.kv_dtype)}, {plan.memory.kv_bytes_per_token:,} B/token per GPU "
         f"({how})"
@@ -476,6 +690,8 @@ def format_plan(plan: Plan, suggestion: int | None = None) -> str:
     lines.append(f"kernels on {plan.gpu.key} ({plan.gpu.sm}):")
     lines += plan.kernel_plan.lines()
     lines.append(f"fallbacks: {plan.kernel_plan.fallbacks}")
+    if plan.tp > 1:
+        lines += all_reduce_lines(plan)
     if not plan.fits:
         m = plan.memory
         rest = m.activation_bytes + m.graph_bytes + m.other_bytes
@@ -507,6 +723,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-gpus", type=int, default=None, help="GPUs available (default: the -tp size)"
     )
+    parser.add_argument(
+        "--p2p",
+        choices=("yes", "no"),
+        default=None,
+        help="whether every pair of GPUs has peer access (default: NVLink GPUs have it, PCIe "
+        "cards are not assumed to); picks the all-reduce of the kernel plan",
+    )
     add_config_arguments(parser, EngineConfig)
     # -tp defaults to --num-gpus here: the usual deployment uses every GPU
     parser.set_defaults(tensor_parallel_size=None)
@@ -521,7 +744,8 @@ def run_plan(args: argparse.Namespace) -> int:
     flat = argparse.Namespace(**{**vars(args), "tensor_parallel_size": tp})
     engine = config_from_args(EngineConfig, flat)
     with quiet_logs():  # the plan itself says what the layers would log while being built
-        plan = plan_deployment(args.model, gpu, num_gpus, engine)
+        p2p = None if args.p2p is None else args.p2p == "yes"
+        plan = plan_deployment(args.model, gpu, num_gpus, engine, p2p)
         suggestion = None if plan.fits else smallest_fitting_tp(args.model, gpu, engine)
     print(format_plan(plan, suggestion))
     return 0 if plan.fits else 1

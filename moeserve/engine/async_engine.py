@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from moeserve.config import EngineConfig
 from moeserve.engine.core import LLMEngine, build_engine
@@ -65,30 +66,43 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # outputs waiting for their event loop's next hand-off (see _deliver)
+        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="moeserve-engine", daemon=True)
         self._thread.start()
 
     # ---- front end side --------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, images: list | None = None
+    ) -> int:
         """The engine's checks of a request, without submitting it (the front end calls this
         for each of a request's prompts before admitting any); returns max_tokens, resolved."""
-        return self.engine.validate(prompt_token_ids, params)
+        return self.engine.validate(prompt_token_ids, params, images)
+
+    @property
+    def image_processor(self) -> Any:
+        """The model's image preprocessing (None: the model takes no images)."""
+        return self.engine.image_processor
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        images: list | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self._error is not None:
             raise EngineDead(f"The engine stopped after an error ({type(self._error).__name__}).")
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.validate(prompt_token_ids, params, images)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise EngineInputError(f"request id {request_id!r} is already in use.")
             self._streams[request_id] = (loop, q)
-        self._inbox.put(("add", request_id, list(prompt_token_ids), params))
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params, images))
         finished = False
         try:
             while True:
@@ -121,20 +135,35 @@ class AsyncEngine:
 
     # ---- engine thread ---------------------------------------------------------------------
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """Queue an output for its stream's event loop: one wake-up of the loop takes all
+        that piled up since its last one (a step's outputs of every request, or several
+        steps' when the loop is busy), instead of one thread hand-off per output."""
         with self._lock:
             target = self._streams.get(request_id)
-        if target is not None:
+            if target is None:
+                return
             loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            pending = self._pending.setdefault(loop, [])
+            pending.append((q, item))
+            if len(pending) > 1:  # a hand-off of this batch is on its way
+                return
+        loop.call_soon_threadsafe(self._hand_over, loop)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the event loop: every pending output into its stream's queue."""
+        with self._lock:
+            items = self._pending.pop(loop, [])
+        for q, item in items:
+            q.put_nowait(item)
 
     def _handle(self, msg: tuple) -> bool:
         kind = msg[0]
         if kind == "stop":
             return False
         if kind == "add":
-            _, rid, ids, params = msg
+            _, rid, ids, params, images = msg
             try:
-                self.engine.add_request(rid, ids, params)
+                self.engine.add_request(rid, ids, params, images)
             except ValueError as e:
                 self._deliver(rid, EngineInputError(str(e)))
             except Exception as e:  # this request's own set-up: it fails alone

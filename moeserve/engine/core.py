@@ -23,10 +23,11 @@ from moeserve.engine.kv_blocks import PageAllocator
 from moeserve.engine.metrics import EngineMetrics
 from moeserve.engine.outputs import RequestOutput, TokenLogprob
 from moeserve.engine.profile import DecodeProfiler
-from moeserve.engine.request import Request, validate_request
+from moeserve.engine.request import Request, validate_images, validate_request
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler
 from moeserve.engine.step import RowAllocator, StepInput
 from moeserve.engine.worker import build_executor
+from moeserve.multimodal.kimi import PAD_TOKEN, KimiImageProcessor, MediaProcessorConfig
 from moeserve.sampling import SamplingParams, is_device_error
 from moeserve.spec import make_proposer
 from moeserve.spec.base import Proposer
@@ -108,7 +109,7 @@ class LLMEngine:
         self.failures: list[tuple[str, Exception]] = []
         spec = config.speculative_config
         self.proposer: Proposer | None = None
-        if spec is not None and spec.method == "mtp":
+        if spec is not None and spec.method in ("mtp", "eagle3"):  # a draft model
             self.proposer = DraftModelProposer(self, spec.num_speculative_tokens)
         elif spec is not None:
             self.proposer = make_proposer(spec)
@@ -116,10 +117,11 @@ class LLMEngine:
             DraftPolicy(spec.num_speculative_tokens, spec.adaptive) if spec is not None else None
         )
         overlap = config.overlap_schedule
-        # steps that verify drafts need their tokens on the host before the next step
+        # a draft model drafts from every step's outputs on the host, so it never overlaps;
+        # host proposers overlap the steps that verify nothing (see `_propose`)
         self.overlap = (
             self.runner.device.type == "cuda" if overlap is None else overlap
-        ) and self.proposer is None
+        ) and not isinstance(self.proposer, DraftModelProposer)
         self._inflight: _Inflight | None = None
         # two buffers: a step's tokens land in one while the host still reads the other's
         self._host_ids = torch.empty(
@@ -129,6 +131,19 @@ class LLMEngine:
             pin_memory=self.runner.device.type == "cuda",
         )
         self._host_turn = 0
+        # images: the model's encoder (rank 0 holds it), its placeholder id and preprocessing
+        vision = self.loaded.config.vision
+        if getattr(self.runner.model, "vision", None) is None:
+            vision = None
+        self.image_token_id = None
+        self.image_processor = None
+        if vision is not None:
+            # the tokenizer's own <|media_pad|> id (the published checkpoints' config names
+            # the same one; test tokenizers shift it with their other special tokens)
+            pad = self.tokenizer.encode(PAD_TOKEN)
+            self.image_token_id = pad[0] if len(pad) == 1 else vision.media_placeholder_token_id
+            media = MediaProcessorConfig.for_model(vision, config.model)
+            self.image_processor = KimiImageProcessor(media, self.image_token_id)
 
     def _scheduler_config(self, config: EngineConfig) -> SchedulerConfig:
         """The scheduler's settings with the device's defaults filled in."""
@@ -139,17 +154,28 @@ class LLMEngine:
         return sched
 
     # ---- requests ----------------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Check a request (`validate_request`); return its resolved max_tokens."""
+    def validate(
+        self, prompt_ids: list[int], params: SamplingParams, images: list | None = None
+    ) -> int:
+        """Check a request (`validate_request`, `validate_images`); return its resolved
+        max_tokens."""
+        validate_images(prompt_ids, images or [], self.image_token_id)
         return validate_request(
             prompt_ids, params, self.vocab_limit, tuple(sorted(self.eos_ids)), self.max_model_len
         )
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        images: list | None = None,
+    ) -> None:
+        """`images`: `ImageInput`s whose embeddings replace their placeholder tokens."""
         if request_id in self.live:
             raise EngineInputError(f"request id {request_id!r} is already in use.")
-        max_tokens = self.validate(prompt_ids, params)
-        req = Request(request_id, list(prompt_ids), params, max_tokens)
+        max_tokens = self.validate(prompt_ids, params, images)
+        req = Request(request_id, list(prompt_ids), params, max_tokens, images=list(images or []))
         self.live[request_id] = _Live(
             req, IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params)
         )
@@ -179,22 +205,41 @@ class LLMEngine:
             self.policy.forget(request_id)
 
     # ---- speculative decoding ------------------------------------------------------------------
-    def _propose(self) -> None:
+    def _propose(self, prev: _Inflight | None) -> tuple[_Inflight | None, list[RequestOutput]]:
         """Drafts for the running requests that decode next step, as long as the policy
-        finds worth verifying and as their max_tokens and the context leave room for."""
+        finds worth verifying and as their max_tokens and the context leave room for.
+
+        A request whose last token is still on the GPU (an overlapped step, `prev`) cannot
+        be drafted for: if the policy wants a draft for one, `prev` is completed first (its
+        outputs returned), so overlapping costs nothing while the policy drafts nothing and
+        one wait whenever it drafts again. Returns what is left in flight and the outputs."""
         assert self.proposer is not None and self.policy is not None
         running = self.scheduler.running
-        decoding = [r for r in running if r.num_to_compute == 1 and not r.pending]
+        decoding = [r for r in running if r.num_to_compute == 1]
+        if isinstance(self.proposer, DraftModelProposer):  # it asked the policy already
+            wanted = {r.request_id: self._draft_room(r) for r in decoding}
+        else:
+            wanted = {
+                r.request_id: self.policy.length(r.request_id, len(running), self._draft_room(r))
+                for r in decoding
+            }
+        outputs: list[RequestOutput] = []
+        if prev is not None and any(r.pending and wanted[r.request_id] > 0 for r in decoding):
+            outputs, prev = self._complete(prev), None
         for req in decoding:
-            room = min(
-                req.max_tokens - len(req.output_ids) - 1,
-                self.max_model_len - req.num_tokens - 1,
-            )
-            if isinstance(self.proposer, DraftModelProposer):
-                k = room  # it asked the policy before its draft model ran
-            else:
-                k = self.policy.length(req.request_id, len(running), room)
-            req.draft = self.proposer.propose(req.request_id, k)[:k] if k > 0 else []
+            k = min(wanted[req.request_id], self._draft_room(req))
+            if k <= 0 or req.pending or req.finished:
+                req.draft = []
+                continue
+            req.draft = self.proposer.propose(req.request_id, k)[:k]
+        return prev, outputs
+
+    def _draft_room(self, req: Request) -> int:
+        """Draft tokens `req` has room for: its max_tokens and the context less one token."""
+        return min(
+            req.max_tokens - len(req.output_ids) - 1 - req.pending,
+            self.max_model_len - req.num_tokens - 1 - req.pending,
+        )
 
     def _verify(
         self,
@@ -284,6 +329,11 @@ class LLMEngine:
             self.rows.updates(row, req.pages, step.page_updates)
             step.positions.extend(range(start, start + n))
             plan.spans[i] = (t0, start, n)
+            for im in req.images:  # image tokens of this chunk (a chunk may cut an image)
+                a, b = max(start, im.offset), min(start + n, im.end)
+                if a < b:
+                    step.embed_rows.extend(range(t0 + a - start, t0 + b - start))
+                    step.images.append((im, a - im.offset, b - a))
             if req.draft:  # the last token, then the draft to verify, one row each
                 step.ids.extend(req.draft)
                 step.rows.extend([row] * n)
@@ -314,7 +364,7 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         t_draft = time.perf_counter()
         if self.proposer is not None:
-            self._propose()
+            prev, outputs = self._propose(prev)
         t_draft = time.perf_counter() - t_draft
         # max_tokens == 0 (prompt logprobs only) still needs its prefill; others finish here
         batch = self.scheduler.schedule()
@@ -322,7 +372,7 @@ class LLMEngine:
             self.rows.release(req.request_id)
         self.metrics.on_preempt(len(batch.preempted))
         if batch.empty:
-            return self._complete(prev) if prev is not None else outputs
+            return outputs + self._complete(prev) if prev is not None else outputs
         t0 = time.perf_counter()
         step, plan = self._build_step(batch, prev)
         step.greedy = self.overlap and self._overlappable(batch)
@@ -332,12 +382,12 @@ class LLMEngine:
         if step.greedy:  # step N+1 is queued: now the host handles step N's outputs
             self._inflight = self._launch_copy(batch, plan, t0)
             if prev is not None:
-                outputs = self._complete(prev)
+                outputs += self._complete(prev)
             if self.profiler is not None and self.profiler.active and step.is_decode_only:
                 self._profile_step(step, time.perf_counter() - t_entry, t_exec, len(batch.requests))
             return outputs
         if prev is not None:  # its tokens are this step's history (penalties, stop checks)
-            outputs = self._complete(prev)
+            outputs += self._complete(prev)
         failed: dict[int, Exception] = {}
         tokens, lps = self._sample(batch, plan, logits, failed)
         t_accept = time.perf_counter()
@@ -386,6 +436,8 @@ class LLMEngine:
         with this step's token may compute one more, which is dropped)."""
         for req in batch.requests:
             p = req.params
+            if req.draft:  # its accepted tokens decide what the next step computes
+                return False
             if not p.greedy or p.logprobs is not None or p.prompt_logprobs is not None:
                 return False
             if p.needs_penalties or getattr(p, "logit_bias", None) or p.min_tokens:

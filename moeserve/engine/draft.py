@@ -1,13 +1,17 @@
-"""Drafts from a draft model that reads the target's hidden states (DeepSeek's MTP module).
+"""Drafts from a draft model that reads the target's hidden states: DeepSeek's MTP module, or
+an EAGLE-3 head (moeserve/models/eagle3.py; the runner hands it the hidden states three target
+layers copied for it, fused by its `fc`, instead of the final ones).
 
 After every target step the draft model catches up on the positions whose next token is now
 known: a prompt chunk's positions, a decode row's, and a verified draft's accepted ones (the
 rejected positions are left for later steps to overwrite). At position i it reads the target's
-final hidden state h_i and token i + 1, and writes its own latent cache on the sequence's
-pages; its output at the last position predicts the first draft token. Further draft tokens
+hidden state h_i and token i + 1, and writes its own cache on the sequence's pages; its
+output at the last position predicts the first draft token (a target id: an EAGLE-3 head maps
+its draft vocabulary in its logits). Further draft tokens
 come from running it again, one position at a time, on its own output (its cache rows there
 are overwritten by the next catch-up). Draft steps are `StepInput`s with `draft` set, so the
-other ranks of a tensor-parallel group run them too. Drafts are greedy.
+other ranks of a tensor-parallel group run them too. Drafts are greedy, argmaxed on the device:
+a draft step reads the previous one's tokens there, and the host reads all of them at once.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from moeserve.engine.executor import Executor
 from moeserve.engine.request import Request
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler
 from moeserve.engine.step import DRAFT_ON_DRAFT, DRAFT_ON_TARGET, RowAllocator, StepInput
+from moeserve.sampling import Sampler
 from moeserve.spec.policy import DraftPolicy
 
 
@@ -34,7 +39,7 @@ class EngineParts(Protocol):
     scheduler: Scheduler
     policy: DraftPolicy | None
     max_model_len: int
-    vocab_limit: int
+    sampler: Sampler  # rank 0's: draft steps leave their greedy tokens in it
 
 
 class DraftModelProposer:
@@ -85,7 +90,9 @@ class DraftModelProposer:
         if not catch_up:
             return
         catch_up.sort(key=lambda c: c[3] != 1)  # one-token sequences first
-        step = StepInput([], [], [], [], [], draft=DRAFT_ON_TARGET)
+        # draft steps leave their greedy tokens on the device, and the next draft step reads
+        # them through placeholder ids: one host sync for all K draft tokens
+        step = StepInput([], [], [], [], [], draft=DRAFT_ON_TARGET, greedy=True)
         last_row: dict[str, int] = {}  # request -> its logit row
         token_row: dict[str, int] = {}  # request -> its last token's row (its hidden state)
         for req, t0, start, m in catch_up:
@@ -105,20 +112,22 @@ class DraftModelProposer:
             eng.executor.execute(step)  # the cache only
             return
         drafting = [r for r, *_ in catch_up if r.request_id in last_row]
-        tokens = self._greedy(eng.executor.execute(step))
-        drafts = {r.request_id: [tokens[last_row[r.request_id]]] for r in drafting}
+        self._execute(step)
+        # per draft step: its device tokens, and each request's row in them
+        steps = [(eng.sampler.device_tokens(), dict(last_row))]
         # the row of the latest draft step's output each request's next draft step reads
         rows_of = {r.request_id: token_row[r.request_id] for r in drafting}
         for j in range(1, self.num_tokens):
             going = [r for r in drafting if want[r.request_id] > j and self._reserve(r, j)]
             if not going:
                 break
-            step = StepInput([], [], [], [], [], draft=DRAFT_ON_DRAFT)
+            step = StepInput([], [], [], [], [], draft=DRAFT_ON_DRAFT, greedy=True)
+            fed = steps[-1][1]
             for k, r in enumerate(going):
                 pos = r.num_computed + j - 1  # the position after the previous draft token
                 row = eng.rows.row(r.request_id)
                 eng.rows.updates(row, r.pages, step.page_updates)
-                step.ids.append(drafts[r.request_id][-1])
+                step.ids.append(-1 - fed[r.request_id])  # the previous draft token
                 step.positions.append(pos)
                 step.hidden_rows.append(rows_of[r.request_id])
                 step.rows.append(row)
@@ -126,10 +135,18 @@ class DraftModelProposer:
                 step.query_lens.append(1)
                 step.logit_rows.append(k)
                 rows_of[r.request_id] = k
-            tokens = self._greedy(eng.executor.execute(step))
-            for k, r in enumerate(going):
-                drafts[r.request_id].append(tokens[k])
+            self._execute(step)
+            steps.append(
+                (eng.sampler.device_tokens(), {r.request_id: k for k, r in enumerate(going)})
+            )
             drafting = going
+        host = torch.cat([t for t, _ in steps]).tolist()  # the one sync
+        base = 0
+        drafts: dict[str, list[int]] = {}
+        for tokens, where in steps:
+            for rid, k in where.items():
+                drafts.setdefault(rid, []).append(host[base + k])
+            base += tokens.numel()
         self.drafts.update(drafts)
         if eng.policy is not None:
             longest = max(len(d) for d in drafts.values())
@@ -158,6 +175,7 @@ class DraftModelProposer:
         too); False when none are free."""
         return self.engine.scheduler.reserve(req, req.num_computed + j)
 
-    def _greedy(self, logits: torch.Tensor | None) -> list[int]:
+    def _execute(self, step: StepInput) -> None:
+        """Run a draft step whose greedy tokens stay in the engine's sampler."""
+        logits = self.engine.executor.execute(step)
         assert logits is not None
-        return logits[:, : self.engine.vocab_limit].argmax(dim=-1).tolist()

@@ -9,6 +9,8 @@ from moeserve.engine.errors import RequestFailed, failure_message
 from moeserve.engine.outputs import TokenLogprob
 from moeserve.sampling import SamplingParams
 
+OFFLINE_FETCH_S = 30.0  # an http(s) image URL given to LLM.chat
+
 
 @dataclass
 class Completion:
@@ -39,11 +41,15 @@ class LLM:
             p if isinstance(p, list) else self.tokenizer.encode(p)
             for p in prompts  # type: ignore[arg-type]
         ]
+        return self._run([(ids, None) for ids in ids_list], params)
+
+    def _run(self, requests: list[tuple[list[int], list | None]], params: SamplingParams):
+        """Generate for (prompt ids, images or None) pairs, all in the engine at once."""
         rids = []
-        for ids in ids_list:
+        for ids, images in requests:
             rid = f"offline-{self._counter}"
             self._counter += 1
-            self.engine.add_request(rid, ids, params)
+            self.engine.add_request(rid, ids, params, images)
             rids.append(rid)
         acc = {
             r: Completion("", [], None, [] if params.logprobs is not None else None) for r in rids
@@ -65,5 +71,56 @@ class LLM:
         return [acc[r] for r in rids]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Completion:
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([self.tokenizer.encode(prompt, add_special_tokens=False)], params)[0]
+        """One chat turn. Image parts as the OpenAI API writes them (`{"type": "image_url",
+        "image_url": {"url": "data:..."}}`) or `{"type": "image", "image": PIL.Image}` go to
+        the model's vision encoder (models with one)."""
+        images = self._images(messages)
+        rendered = [_as_image_url(m) for m in messages] if images else messages
+        prompt = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not images:
+            return self.generate([ids], params)[0]
+        processor = self.engine.image_processor
+        inputs = [processor.preprocess(im) for im in images]
+        ids = processor.expand(ids, inputs)
+        return self._run([(ids, inputs)], params or SamplingParams())[0]
+
+    def _images(self, messages: list[dict]) -> list:
+        """The messages' images (PIL), in order; a ValueError for a model without a vision
+        encoder or an image it cannot read."""
+        from moeserve.multimodal.images import ImageError, ImageLimits, load_image
+
+        parts = [
+            part
+            for m in messages
+            if isinstance(m.get("content"), list)
+            for part in m["content"]
+            if isinstance(part, dict) and part.get("type") in ("image_url", "image")
+        ]
+        if parts and self.engine.image_processor is None:
+            raise ValueError("this model takes no images (it has no vision encoder)")
+        # in-process callers pass what they choose to: only the server limits what clients send
+        limits = ImageLimits(max_bytes=1 << 62, max_pixels=1 << 62, fetch_timeout=OFFLINE_FETCH_S)
+        out = []
+        for part in parts:
+            if part["type"] == "image":
+                out.append(part["image"].convert("RGB"))
+                continue
+            try:
+                out.append(load_image(part["image_url"]["url"], limits))
+            except ImageError as e:
+                raise ValueError(f"invalid image: {e}") from e
+        return out
+
+
+def _as_image_url(message: dict) -> dict:
+    """The message as the chat template reads it: an `image` part (a PIL image) written as
+    an image_url part (the template renders a placeholder for either)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = [
+        {"type": "image_url", "image_url": {"url": ""}} if p.get("type") == "image" else p
+        for p in content
+    ]
+    return {**message, "content": parts}

@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moeserve.engine.errors import ContextLengthExceeded, EngineInputError
 from moeserve.sampling import SamplingError, SamplingParams
+
+if TYPE_CHECKING:
+    from moeserve.multimodal.inputs import ImageInput
 
 
 class Status(enum.Enum):
@@ -40,6 +44,8 @@ class Request:
     last_hash: bytes | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # images whose embeddings replace placeholder tokens of the prompt, in prompt order
+    images: list[ImageInput] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
@@ -54,6 +60,19 @@ class Request:
         if start >= p:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    def hash_slice(self, start: int, end: int) -> list[int]:
+        """`token_slice` as the prefix cache hashes it: an image's placeholder positions
+        carry values of the image's content hash instead of the placeholder id."""
+        out = self.token_slice(start, end)
+        for im in self.images:
+            for pos in range(max(start, im.offset), min(end, im.end)):
+                out[pos - start] = im.hash_value(pos - im.offset)
+        return out
+
+    def hash_ids(self) -> list[int]:
+        """The whole sequence as the prefix cache hashes it (rare paths: prefix matching)."""
+        return self.hash_slice(0, self.num_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -102,3 +121,22 @@ def validate_request(
     if n + params.max_tokens > max_model_len:
         raise ContextLengthExceeded(max_model_len, n, params.max_tokens)
     return params.max_tokens
+
+
+def validate_images(
+    prompt_ids: list[int], images: list[ImageInput], placeholder: int | None
+) -> None:
+    """A request's images: a model with a vision encoder (`placeholder`: its image token id),
+    each image's placeholder run inside the prompt, in order, without overlap."""
+    if not images:
+        return
+    if placeholder is None:
+        raise EngineInputError("This model takes no images (it has no vision encoder).")
+    end = 0
+    for im in images:
+        run = prompt_ids[im.offset : im.end] if im.offset >= end else []
+        if len(run) != im.num_tokens or any(t != placeholder for t in run):
+            raise EngineInputError(
+                "An image's placeholder tokens are not where the request says.", in_prompt=True
+            )
+        end = im.end

@@ -24,6 +24,10 @@ from moeserve.engine.memory import MemoryPlan, plan_kv_pages
 from moeserve.engine.step import DRAFT_ON_TARGET, StepInput, iter_page_updates
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.loader.base import LoadedModel
+from moeserve.models.eagle3 import capture_aux_hidden
+from moeserve.multimodal.cache import EncoderCache
+from moeserve.multimodal.inputs import ImageInput
+from moeserve.multimodal.kimi import MediaProcessorConfig, largest_image_grid
 from moeserve.parallel.groups import SINGLE, TPGroup
 from moeserve.sampling import Sampler
 
@@ -47,6 +51,8 @@ class StepTensors:
     logit_rows: torch.Tensor
     query_lens: torch.Tensor
     query_start: torch.Tensor  # int32 [B + 1]
+    hidden_rows: torch.Tensor  # a draft step's: the rows of the hidden states it reads
+    embed_rows: torch.Tensor  # the rows whose embeddings are an image's
 
 
 class Staging:
@@ -106,14 +112,22 @@ class ModelRunner:
         model_len = loaded.config.context_len(config.scheduler.max_model_len)
         self.max_rows = config.scheduler.max_num_seqs
         self.graphs: DecodeGraphs | None = None
-        # a draft model's inputs: the latest target step's final hidden states and the latest
-        # draft step's own
-        self.keep_hidden = getattr(self.model, "mtp", None) is not None
+        # the draft model: an EAGLE-3 head (a module of its own, `loaded.draft`) or the
+        # target's MTP module (the target model drafts through `forward_draft`)
+        self.draft = loaded.draft
+        self.drafter = self.draft if self.draft is not None else self.model
+        # a draft model's inputs: the latest target step's final hidden states (EAGLE-3: its
+        # aux layers' hidden states) and the latest draft step's own
+        self.keep_hidden = self.draft is not None or getattr(self.model, "mtp", None) is not None
+        self.aux_hidden = self._aux_buffer() if self.draft is not None else None
         self.last_hidden: torch.Tensor | None = None
         self.last_draft_hidden: torch.Tensor | None = None
         self.draft_graphs: DecodeGraphs | None = None
         self._staging = Staging(self.device)
-        self.prefill_threads = self._prefill_threads()  # before the profiling step below
+        self.encoder_cache = EncoderCache()  # images' embeddings by content (rank 0)
+        native = self._native_threads()
+        # before the profiling step below; none where the native kernels do the heavy work
+        self.prefill_threads = None if native else self._prefill_threads()
         self.memory = self._plan_memory(loaded, model_len)
         self.num_pages = self.memory.kv_pages
         self.max_model_len = min(model_len, self.num_pages * self.page_size)
@@ -138,6 +152,22 @@ class ModelRunner:
             log.info("%s", self.graph_status)
 
     # ---- start-up ----------------------------------------------------------------------------
+    def _native_threads(self) -> bool:
+        """Where the native CPU kernels serve (returns True) they run on their own pool, the
+        rank's share of all cores (it shares cores with other work without waiting for it:
+        kernels/cpu), for every step; torch, left with the glue between them, runs on one
+        thread whatever --threads says (its OpenMP workers spin for milliseconds after each
+        parallel op, taking a core from the pool: measured 2 threads each, a decode ran at 0.6x
+        of torch on 1)."""
+        if self.device.type != "cpu" or not self.loaded.kernel_plan.cpu_native:
+            return False
+        from moeserve.kernels import cpu as cpu_kernels
+
+        share = self.config.load.prefill_threads or max(1, (os.cpu_count() or 1) // self.tp.size)
+        cpu_kernels.set_threads(share)
+        torch.set_num_threads(1)
+        return True
+
     def _prefill_threads(self) -> int | None:
         """Torch threads for CPU steps of PREFILL_STEP_TOKENS or more (None: no change)."""
         if self.device.type != "cpu":
@@ -145,14 +175,30 @@ class ModelRunner:
         n = self.config.load.prefill_threads or max(1, (os.cpu_count() or 1) // self.tp.size)
         return None if n == torch.get_num_threads() else n
 
+    def _aux_buffer(self) -> torch.Tensor:
+        """EAGLE-3: the buffer the target's aux layers write the hidden states entering them
+        to (one row per token of the largest step or captured batch), which the head reads."""
+        cfg = self.config
+        rows = max(cfg.scheduler.max_num_batched_tokens, cfg.graph_max_batch(str(self.device)))
+        width = len(self.draft.aux_layer_ids) * self.loaded.config.hidden_size
+        buf = torch.zeros(rows, width, dtype=self.draft.fc.weight.dtype, device=self.device)
+        capture_aux_hidden(self.model, self.draft.aux_layer_ids, buf)
+        return buf
+
+    def _cache_layers(self) -> list[tuple[torch.nn.Module, torch.dtype]]:
+        """Every attention layer with its cache dtype: the model's (with its MTP module) in the
+        model's, an EAGLE-3 head's in its own; all on the same pages and page table."""
+        out = [(layer, self.kv_dtype) for layer in self.model.attention_layers()]
+        if self.draft is not None:
+            out += [(layer, self.draft.kv_cache_dtype) for layer in self.draft.attention_layers()]
+        return out
+
     def kv_bytes_per_token(self) -> int:
-        return sum(
-            layer.kv_cache_bytes_per_token(self.kv_dtype) for layer in self.model.attention_layers()
-        )
+        return sum(layer.kv_cache_bytes_per_token(dtype) for layer, dtype in self._cache_layers())
 
     def _bind_cache(self, num_pages: int) -> None:
-        for layer in self.model.attention_layers():
-            layer.bind_kv_cache(num_pages, self.page_size, self.kv_dtype, self.device)
+        for layer, dtype in self._cache_layers():
+            layer.bind_kv_cache(num_pages, self.page_size, dtype, self.device)
         if self.device.type == "cpu":
             # zeros from calloc are not resident until written: write them now, so the
             # process holds its whole cache from the start (its RSS then stays flat as
@@ -163,7 +209,7 @@ class ModelRunner:
     def _cache_tensors(self) -> list[torch.Tensor]:
         """Every attention layer's KV-cache tensors."""
         out = []
-        for layer in self.model.attention_layers():
+        for layer, _ in self._cache_layers():
             for name in ("kv_cache", "k_cache", "v_cache"):
                 cache = getattr(layer, name, None)
                 if isinstance(cache, torch.Tensor):
@@ -244,6 +290,7 @@ class ModelRunner:
         self.execute_model(decode)
         torch.cuda.synchronize(dev)
         decode_peak = torch.cuda.max_memory_allocated(dev) - base
+        prefill_peak = self._profile_images(base, prefill_peak)
         self._bind_cache(0)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
@@ -351,20 +398,30 @@ class ModelRunner:
 
     def _capture_draft(self, max_batch: int) -> None:
         """Graphs of the draft model's one-token steps (its hidden-state input is a static
-        buffer filled before each replay); the draft runs eagerly if capture fails."""
-        hidden = self.loaded.config.hidden_size
-        dtype = self.model.model.embed_tokens.weight.dtype
+        buffer filled before each replay); the draft runs eagerly if capture fails. An
+        EAGLE-3 head's modules get their own static scratch; the MTP module's is the
+        target's."""
+        head = self.draft
+        if head is not None:
+            blockers = graph_blockers(head)
+            if blockers:
+                log.info("draft model eager: %s cannot be captured", ", ".join(blockers))
+                return
+            hidden, dtype = head.config.hidden_size, head.norm.weight.dtype
+        else:
+            hidden = self.loaded.config.hidden_size
+            dtype = self.model.model.embed_tokens.weight.dtype
         self._draft_in = torch.zeros(max_batch, hidden, dtype=dtype, device=self.device)
         graphs = DecodeGraphs(
             self._draft_graph_forward,
-            self.model,
+            head if head is not None else self.model,
             self.device,
             max_batch,
             self.max_rows,
             self.max_model_len,
         )
         try:
-            graphs.capture(prepare=False)
+            graphs.capture(prepare=head is not None)
         except RuntimeError as e:
             log.warning("CUDA graph capture of the draft model failed: %s", e)
             return
@@ -375,7 +432,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The captured draft forward of one-token rows: [normed | carried] per row."""
         md = self._decode_metadata(positions, rows, seq_lens)
-        normed, carried = self.model.forward_draft(
+        normed, carried = self.drafter.forward_draft(
             ids, positions, self._draft_in[: ids.shape[0]], ForwardContext(md)
         )
         return torch.cat([normed, carried], dim=-1)
@@ -406,6 +463,8 @@ class ModelRunner:
             upd_rows,
             upd_cols,
             upd_pages,
+            step.hidden_rows,
+            step.embed_rows,
         )
         host = np.empty(sum(len(p) for p in parts), dtype=np.int64)
         spans = []
@@ -416,10 +475,12 @@ class ModelRunner:
             o += len(part)
         dev = self._staging.to_device(host)
         views = [dev[a : a + n] for a, n in spans]
-        ids, pos, rows, lens, lrows, qlens, qs, ur, uc, up = views
+        ids, pos, rows, lens, lrows, qlens, qs, ur, uc, up, hrows, erows = views
         if len(up):
             self.block_table.index_put_((ur, uc), up.to(torch.int32))
-        return StepTensors(dev, ids, pos, rows, lens, lrows, qlens, qs.to(torch.int32))
+        return StepTensors(
+            dev, ids, pos, rows, lens, lrows, qlens, qs.to(torch.int32), hrows, erows
+        )
 
     def metadata(
         self,
@@ -508,24 +569,26 @@ class ModelRunner:
         `logit_rows`."""
         source = self.last_hidden if step.draft == DRAFT_ON_TARGET else self.last_draft_hidden
         assert source is not None, "a draft step needs the step it reads from"
-        rows = torch.tensor(step.hidden_rows, dtype=torch.long).to(self.device)
+        hidden = source.index_select(0, st.hidden_rows)
+        if step.draft == DRAFT_ON_TARGET and self.draft is not None:
+            hidden = self.draft.fuse_target_hidden(hidden)  # EAGLE-3: fc over the aux layers
         g, b = self.draft_graphs, len(step.rows)
         if g is not None and step.is_decode_only and g.can_run(b):
-            self._draft_in[:b].copy_(source.index_select(0, rows))
+            self._draft_in[:b].copy_(hidden)
             out = g.run(st.packed[: 4 * b].view(4, -1))
             normed, carried = out.split(out.shape[-1] // 2, dim=-1)
             self.last_draft_hidden = carried  # a view: read before the next replay
             if not step.logit_rows:
                 return None
-            return self.model.compute_logits(normed.index_select(0, st.logit_rows))
+            return self.drafter.compute_logits(normed.index_select(0, st.logit_rows))
         md = self._step_metadata(step, st)
-        normed, carried = self.model.forward_draft(
-            st.ids, st.positions, source.index_select(0, rows), ForwardContext(md)
+        normed, carried = self.drafter.forward_draft(
+            st.ids, st.positions, hidden, ForwardContext(md)
         )
         self.last_draft_hidden = carried
         if not step.logit_rows:
             return None
-        return self.model.compute_logits(normed.index_select(0, st.logit_rows))
+        return self.drafter.compute_logits(normed.index_select(0, st.logit_rows))
 
     @torch.inference_mode()
     def execute_model(self, step: StepInput) -> torch.Tensor | None:
@@ -533,36 +596,121 @@ class ModelRunner:
         the LM head is vocab-parallel), or None when no row needs logits. A `greedy` step's
         tokens also stay on the device, in `sampler`, for the next step's placeholder ids."""
         st = self._tensors(step)
-        if step.draft:
-            return self._execute_draft(step, st)
         if step.ids and min(step.ids) < 0:  # placeholders: tokens the last step sampled
             # an eager step reruns the latest one (profiling) with the tokens it was given
             src = self._fed_tokens if step.eager else self.sampler.device_tokens()
             self._fed_tokens = src
             idx = (-st.ids - 1).clamp_(0, src.numel() - 1)
             st.ids.copy_(torch.where(st.ids < 0, src.index_select(0, idx), st.ids))
+        if step.draft:
+            logits = self._execute_draft(step, st)
+            if logits is not None and step.greedy:  # the next draft step's placeholders
+                self.sampler.greedy_on_device(logits)
+            return logits
         g = self.graphs
-        if g is not None and not step.eager and step.is_decode_only and g.can_run(len(step.rows)):
+        embeds = self._image_embeds(step, st)
+        if (
+            g is not None
+            and embeds is None
+            and not step.eager
+            and step.is_decode_only
+            and g.can_run(len(step.rows))
+        ):
             hidden = g.run(st.packed[: 4 * len(step.rows)].view(4, -1))
         else:
             md = self._step_metadata(step, st)
+            extra = {"embeds": embeds} if embeds is not None else {}
             if self.prefill_threads and step.num_tokens >= PREFILL_STEP_TOKENS:
                 decode_threads = torch.get_num_threads()
                 torch.set_num_threads(self.prefill_threads)
                 try:
-                    hidden = self.model(st.ids, st.positions, ForwardContext(md))
+                    hidden = self.model(st.ids, st.positions, ForwardContext(md), **extra)
                 finally:
                     torch.set_num_threads(decode_threads)
             else:
-                hidden = self.model(st.ids, st.positions, ForwardContext(md))
+                hidden = self.model(st.ids, st.positions, ForwardContext(md), **extra)
         if self.keep_hidden:  # a draft model reads them next (sliced: graphs reuse buffers)
-            self.last_hidden = hidden[: step.num_tokens]
+            source = hidden if self.aux_hidden is None else self.aux_hidden
+            self.last_hidden = source[: step.num_tokens]
         if not step.logit_rows:
             return None
         logits = self.model.compute_logits(hidden.index_select(0, st.logit_rows))
         if step.greedy and not step.eager:
             self.sampler.greedy_on_device(logits)
         return logits
+
+    # ---- images ------------------------------------------------------------------------------
+    def _profile_images(self, base: int, prefill_peak: int) -> int:
+        """The activation peak with images (rank 0, which encodes them): the larger of the
+        encoder on the largest image the processor makes and a prefill step, either beside
+        a full encoder cache."""
+        vision = getattr(self.model, "vision", None)
+        if vision is None:
+            return prefill_peak
+        dev = self.device
+        cfg = vision.config
+        grid = largest_image_grid(MediaProcessorConfig.for_model(cfg, self.config.model))
+        patches = grid[1] * grid[2]
+        pixels = torch.zeros(patches, 3, cfg.patch_size, cfg.patch_size)
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.encode_images([ImageInput(pixels, grid, patches // cfg.merge_size, b"")])
+        torch.cuda.synchronize(dev)
+        encode_peak = torch.cuda.max_memory_allocated(dev) - base
+        log.info(
+            "vision encoder: %.2f GiB peak on a %dx%d-patch image",
+            encode_peak / (1 << 30),
+            grid[1],
+            grid[2],
+        )
+        return max(prefill_peak, encode_peak) + self.encoder_cache.max_bytes
+
+    def _image_embeds(
+        self, step: StepInput, st: StepTensors
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, values) of the step's image tokens. Rank 0 holds the vision encoder and
+        encodes each image once (its output stays in `encoder_cache` for the image's later
+        chunks and later requests); the other ranks receive the values by an all-reduce to
+        which they add zeros."""
+        if not step.embed_rows:
+            return None
+        dtype = self.model.model.embed_tokens.weight.dtype
+        rows = st.embed_rows
+        if step.images:
+            encoded = self._encode([im for im, _, _ in step.images])
+            values = torch.cat(
+                [encoded[im.digest][first : first + n] for im, first, n in step.images]
+            ).to(dtype)
+        else:
+            hidden = self.loaded.config.hidden_size
+            values = torch.zeros(len(step.embed_rows), hidden, dtype=dtype, device=self.device)
+        if self.tp.size > 1:
+            values = self.tp.all_reduce(values.contiguous())
+        return rows, values
+
+    def encode_images(self, images: list) -> list[torch.Tensor]:
+        """The vision encoder on images (`ImageInput`s) in one batch: one tensor each."""
+        vision = self.model.vision
+        pixels = torch.cat([im.pixels for im in images]).to(self.device, vision.dtype)
+        out = vision(pixels, [im.grid for im in images])
+        return list(out.split([im.num_tokens for im in images]))
+
+    def _encode(self, images: list) -> dict[bytes, torch.Tensor]:
+        """Each image's embeddings by its digest: from the cache, else encoded now."""
+        found: dict[bytes, torch.Tensor] = {}
+        todo = []
+        for im in images:
+            if im.digest in found:
+                continue
+            hit = self.encoder_cache.get(im.digest)
+            if hit is not None:
+                found[im.digest] = hit
+            elif all(im.digest != t.digest for t in todo):
+                todo.append(im)
+        if todo:
+            for im, out in zip(todo, self.encode_images(todo), strict=True):
+                self.encoder_cache.put(im.digest, out)
+                found[im.digest] = out
+        return found
 
 
 def _available_ram() -> int:

@@ -117,7 +117,7 @@ class Scheduler:
     def _reuse_prefix(self, req: Request) -> None:
         if req.params.prompt_logprobs is not None:
             return  # prompt logprobs need every prompt position computed
-        pages = self.alloc.match_prefix(req.all_ids)
+        pages = self.alloc.match_prefix(req.hash_ids())
         req.pages = pages
         req.num_computed = len(pages) * self.alloc.page_size
         req.num_cached_tokens = req.num_computed
@@ -171,5 +171,5 @@ class Scheduler:
             req.num_computed += n
             known = min(req.num_computed, req.num_tokens)  # pending tokens are not known yet
             req.hashed_pages, req.last_hash = self.alloc.register_full_pages(
-                req.pages, req.token_slice, known, req.hashed_pages, req.last_hash
+                req.pages, req.hash_slice, known, req.hashed_pages, req.last_hash
             )

@@ -24,7 +24,7 @@ STOP = 2
 TARGET = 0
 DRAFT_ON_TARGET = 1
 DRAFT_ON_DRAFT = 2
-_HEADER = 8  # kind, T, B, len(page_updates), L, eager, greedy, draft
+_HEADER = 9  # kind, T, B, len(page_updates), L, eager, greedy, draft, len(embed_rows)
 
 
 @dataclass
@@ -47,6 +47,11 @@ class StepInput:
     # row hidden_rows[t] for token t; TARGET: the model's own step
     draft: int = 0
     hidden_rows: list[int] = field(default_factory=list)
+    # token rows whose embeddings come from images (every rank replaces them); `images`, on
+    # rank 0 only and not packed: (image, its first token in this step, count) per piece,
+    # the pieces in the order of `embed_rows`
+    embed_rows: list[int] = field(default_factory=list)
+    images: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -58,11 +63,12 @@ class StepInput:
 
     def pack(self) -> np.ndarray:
         """One int64 array: header, then ids, positions, rows, seq_lens, query_lens,
-        page_updates, logit_rows (and a draft step's hidden_rows, one per token)."""
+        page_updates, logit_rows (and a draft step's hidden_rows, one per token), embed_rows."""
         t, b, p, n = len(self.ids), len(self.rows), len(self.page_updates), len(self.logit_rows)
         h = t if self.draft else 0
-        out = np.empty(_HEADER + 2 * t + 3 * b + p + n + h, dtype=np.int64)
-        out[:_HEADER] = (STEP, t, b, p, n, int(self.eager), int(self.greedy), self.draft)
+        e = len(self.embed_rows)
+        out = np.empty(_HEADER + 2 * t + 3 * b + p + n + h + e, dtype=np.int64)
+        out[:_HEADER] = (STEP, t, b, p, n, int(self.eager), int(self.greedy), self.draft, e)
         o = _HEADER
         for part in (
             self.ids,
@@ -73,6 +79,7 @@ class StepInput:
             self.page_updates,
             self.logit_rows,
             self.hidden_rows if self.draft else [],
+            self.embed_rows,
         ):
             out[o : o + len(part)] = part
             o += len(part)
@@ -81,23 +88,24 @@ class StepInput:
     @staticmethod
     def unpack(a: np.ndarray) -> StepInput | None:
         """The step in `a`, or None for a stop message."""
-        kind, t, b, p, n, eager, greedy, draft = (int(v) for v in a[:8])
+        kind, t, b, p, n, eager, greedy, draft, e = (int(v) for v in a[:_HEADER])
         if kind == STOP:
             return None
         if kind != STEP:
             raise ValueError(f"unknown step message kind {kind}")
         o = _HEADER
         parts = []
-        for size in (t, t, b, b, b, p, n, t if draft else 0):
+        for size in (t, t, b, b, b, p, n, t if draft else 0, e):
             parts.append(a[o : o + size].tolist())
             o += size
-        *fields_, hidden_rows = parts
+        *fields_, hidden_rows, embed_rows = parts
         return StepInput(
             *fields_,
             eager=bool(eager),
             greedy=bool(greedy),
             draft=draft,
             hidden_rows=hidden_rows,
+            embed_rows=embed_rows,
         )
 
 

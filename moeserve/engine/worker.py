@@ -146,11 +146,18 @@ def build_rank(cfg: EngineConfig, tp: TPGroup, device: str) -> ModelRunner:
         seed=cfg.load.seed,
         planning=Planning(settings=plan_settings(cfg, tp.size)),
         mtp=cfg.speculative_config is not None and cfg.speculative_config.method == "mtp",
+        eagle3=_eagle3_folder(cfg),
     )
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
     loaded = replace(loaded, load_seconds=time.perf_counter() - t0)
     return ModelRunner(cfg, loaded, device, tp)
+
+
+def _eagle3_folder(cfg: EngineConfig) -> str | None:
+    """The EAGLE-3 draft head's folder of --speculative-config method eagle3 (else None)."""
+    spec = cfg.speculative_config
+    return spec.model if spec is not None and spec.method == "eagle3" else None
 
 
 def plan_settings(cfg: EngineConfig, tp_size: int) -> PlanSettings:

@@ -9,8 +9,11 @@ there (`Hardware.gpu`). Start-up probes that can turn a choice down on a real de
 Gluon MLA decode kernel, the one-launch router) run here, so the printed plan is what runs.
 
 Capabilities: Triton's tensor-core kernels need sm_80 (bf16); e4m3 conversions (NVFP4 scales,
-block-FP8 weights, an FP8 latent cache) need sm_89; native FP4 tensor cores (sm_100) are not
-written yet, so Blackwell runs the W4A16 kernels and the plan says so.
+block-FP8 weights, an FP8 latent cache) need sm_89; the Gluon MLA decode kernel (TMA + wgmma)
+needs sm_90 exactly, so Blackwell (sm_100, sm_120) runs the Triton MLA decode kernel and the plan
+marks it; native FP4 tensor cores (sm_100, sm_120) are not written yet (`native_fp4_kernel`), so
+Blackwell runs the W4A16 kernels (E2M1 codes dequantized to bf16 in registers, bf16 MMA) and the
+plan says so.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ TRITON_CAPABILITY = (8, 0)  # bf16 tensor cores
 # Triton allows e4m3 conversions (`fp8e4nv`) from sm_89 (triton/backends/nvidia/compiler.py)
 FP8_CONVERSION_CAPABILITY = (8, 9)
 BLACKWELL_CAPABILITY = (10, 0)
+# the block-scaled FP4 MMA (E2M1 x E2M1 with e4m3 scales per 16) each Blackwell family has
+NATIVE_FP4_MMA = {
+    (10, 0): "tcgen05.mma kind::mxf4nvf4",
+    (12, 0): "mma.sync kind::mxf4nvf4",
+}
 # the layout the Triton MLA kernels are written for (kernels/attention/mla_decode.py)
 MLA_KERNEL_LAYOUT = (512, 64)
 
@@ -144,6 +152,22 @@ def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> None:
 # ---- resolution -------------------------------------------------------------------------------
 def _sm(cap: tuple[int, int]) -> str:
     return f"sm_{cap[0]}{cap[1]}"
+
+
+def native_fp4_kernel(capability: tuple[int, int]) -> str | None:
+    """The native FP4 tensor-core kernel for NVFP4 weights on this GPU, None where there is none
+    (then the W4A16 kernels serve). This is where a kernel built on NATIVE_FP4_MMA would be
+    chosen by capability; none is implemented, so it is None everywhere."""
+    return None
+
+
+def _fp4_fallback_reason(capability: tuple[int, int]) -> str:
+    """Why NVFP4 runs weight-only on a GPU with native FP4 tensor cores (NATIVE_FP4_MMA)."""
+    mma = NATIVE_FP4_MMA.get(capability, "block-scaled FP4 MMA")
+    return (
+        f"native FP4 tensor cores of {_sm(capability)} ({mma}) not implemented yet: weight-only "
+        "W4A16, E2M1 codes dequantized to bf16 in registers, bf16 MMA"
+    )
 
 
 def quant_formats(quant: QuantConfig) -> tuple[str, bool]:
@@ -294,8 +318,13 @@ def _gpu_plan(
     router_fused = False
     if model_cfg.n_routed_experts:
         fmt = quant_formats(quant)[0]
-        native_fp4 = cap >= BLACKWELL_CAPABILITY
-        moe, choice = _moe_choice(model_cfg, quant, fmt, triton, fp8_ok, native_fp4, s)
+        # where native FP4 tensor cores go unused: why (None: no such hardware, or a kernel)
+        fp4_gap = (
+            _fp4_fallback_reason(cap)
+            if cap >= BLACKWELL_CAPABILITY and native_fp4_kernel(cap) is None
+            else None
+        )
+        moe, choice = _moe_choice(model_cfg, quant, fmt, triton, fp8_ok, fp4_gap, s)
         out.append(choice)
         if moe == "loop":
             graph_blockers.append("routed experts")
@@ -393,12 +422,13 @@ def _linear_choices(
             f"the Triton kernel is written for {FP8_BLOCK}x{FP8_BLOCK} blocks, not {block}x{block}"
         )
     else:
-        native_fp4 = fmt == "nvfp4" and hw.capability >= BLACKWELL_CAPABILITY
+        native_fp4 = (
+            fmt == "nvfp4"
+            and hw.capability >= BLACKWELL_CAPABILITY
+            and native_fp4_kernel(hw.capability) is None
+        )
         if native_fp4:
-            reason = (
-                f"native FP4 tensor cores ({hw.name}) are not implemented yet; codes are "
-                "decoded in registers and multiplied in bf16"
-            )
+            reason = _fp4_fallback_reason(hw.capability)
         elif s.deterministic:
             reason = "one tensor-core tile config, no split-K (--deterministic)"
         elif fmt == "nvfp4":
@@ -457,7 +487,7 @@ def _moe_choice(
     fmt: str,
     triton: bool,
     fp8_ok: bool,
-    native_fp4: bool,
+    fp4_gap: str | None,
     s: PlanSettings,
 ) -> tuple[str, KernelChoice]:
     first_moe = f"model.layers.{cfg.first_k_dense_replace}.mlp.experts"
@@ -473,12 +503,12 @@ def _moe_choice(
     if fmt == "nvfp4" and quant.moe_method(first_moe) is not None:
         if triton and fp8_ok:
             reason = "one launch for all experts; capturable in CUDA graphs"
-            if native_fp4:
-                reason += "; native FP4 tensor cores not implemented yet (W4A16)"
+            if fp4_gap is not None:
+                reason += f"; {fp4_gap}"
             if s.deterministic:
                 reason += schedule
             return "fused", KernelChoice(
-                "routed experts", "fused Triton NVFP4 MoE", reason, fallback=native_fp4
+                "routed experts", "fused Triton NVFP4 MoE", reason, fallback=fp4_gap is not None
             )
         return "loop", KernelChoice(
             "routed experts",
@@ -546,8 +576,14 @@ def _mla_decode_choice(
     blockers = []
     if s.mla_decode_kernel == "triton":
         blockers.append("--mla-decode-kernel triton")
+    # Blackwell lacks wgmma: its tuned decode kernel (tcgen05) is not written, so the Triton
+    # one serves there as a fallback; older GPUs have nothing faster than the Triton kernel
+    blackwell = hw.capability >= BLACKWELL_CAPABILITY and s.mla_decode_kernel != "triton"
     if hw.capability != GLUON_CAPABILITY:
-        blockers.append(f"the Gluon kernel is written for {_sm(GLUON_CAPABILITY)}")
+        blockers.append(
+            f"the Gluon kernel (TMA + wgmma) is written for {_sm(GLUON_CAPABILITY)}"
+            + (f"; {hw.name} has no wgmma" if blackwell else "")
+        )
     if kv != torch.bfloat16:
         blockers.append("the Gluon kernel reads a BF16 cache")
     if s.page_size % GLUON_PAGE_MULTIPLE:
@@ -560,7 +596,10 @@ def _mla_decode_choice(
     if blockers:
         if s.mla_decode_kernel == "gluon":
             log.warning("--mla-decode-kernel gluon: %s; the Triton kernel serves", blockers[-1])
-        return "triton", KernelChoice("MLA decode", triton_choice, "; ".join(blockers))
+        if blackwell:
+            log.info("MLA decode: the Triton kernel on %s (the Gluon kernel needs wgmma)", hw.name)
+        why = "; ".join(blockers)
+        return "triton", KernelChoice("MLA decode", triton_choice, why, fallback=blackwell)
     heads = max(1, cfg.num_attention_heads // s.tp_size)
     if hw.probe and not probe_gluon_mla(torch.device(hw.device), heads):
         return "triton", KernelChoice(
@@ -579,20 +618,28 @@ def _mla_decode_choice(
 
 
 def _all_reduce_choice(s: PlanSettings) -> KernelChoice:
+    """What `moeserve.parallel.comm.choose_all_reduce` picks for the planned interconnect (the
+    engine probes the real one at start-up and its banner says what it found)."""
+    from moeserve.parallel.comm import choose_all_reduce, planned_topology
+
+    topology = planned_topology(s.interconnect or "pcie", s.hosts)
+    c = choose_all_reduce(s.tp_size, topology, s.all_reduce)
+    if c.kind == "one-shot":
+        return KernelChoice(
+            "all-reduce",
+            f"one-shot over peer memory up to {c.one_shot_max_bytes // 1024} KiB per rank, "
+            "NCCL above",
+            f"the GPUs read each other's memory ({s.interconnect})",
+        )
     if s.hosts > 1:
         return KernelChoice("all-reduce", "NCCL", f"the ranks span {s.hosts} hosts")
     if s.all_reduce == "nccl":
         return KernelChoice("all-reduce", "NCCL", "--all-reduce nccl")
-    if s.interconnect in ("nvlink", "pcie-p2p"):
-        return KernelChoice(
-            "all-reduce",
-            "one-shot over peer memory, NCCL above the size threshold",
-            f"the GPUs read each other's memory ({s.interconnect})",
-        )
+    env = " ".join(f"{k}={v}" for k, v in c.nccl_env.items())
     return KernelChoice(
         "all-reduce",
         "NCCL",
         "the GPUs cannot read each other's memory (PCIe without peer access), so no "
-        "one-shot all-reduce",
+        f"one-shot all-reduce; {env} (LL for small messages)",
         fallback=True,
     )

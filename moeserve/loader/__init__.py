@@ -60,12 +60,14 @@ def load_model(
     seed: int = 0,
     planning: Planning = DEFAULT_PLANNING,
     mtp: bool = False,
+    eagle3: str | None = None,
 ) -> LoadedModel:
     """Load a model path; any failure is a `LoadError` of one sentence naming the path (the
     traceback is logged at debug level). Files are checked first (validate.py), so a
     corrupt header is refused before a loader reads, maps or allocates anything it declares.
     `planning`: what the kernel plan is resolved for (moeserve.layers.kernel_plan); `mtp`:
-    also build and load the checkpoint's MTP module (a draft model)."""
+    also build and load the checkpoint's MTP module (a draft model); `eagle3`: the folder of
+    an EAGLE-3 draft head to load for it (`LoadedModel.draft`)."""
     path = resolve_model_path(model)
     _check_cpu_kernels(planning.settings.cpu_kernels, device, dtype)
     if load_format != "dummy" or path.endswith(".gguf"):
@@ -86,6 +88,16 @@ def load_model(
             planning=planning,
             mtp=mtp,
         )
+        if eagle3 is not None:
+            from dataclasses import replace
+
+            from moeserve.loader.eagle3 import load_eagle3_draft
+            from moeserve.parallel.groups import SINGLE
+
+            draft = load_eagle3_draft(
+                eagle3, loaded, dtype, device, tp or SINGLE, planning, load_format
+            )
+            loaded = replace(loaded, draft=draft)
     except LoadError:
         raise
     except ConfigError as e:
@@ -126,11 +138,6 @@ def _load(
     mtp: bool = False,
 ) -> LoadedModel:
     if path.endswith(".gguf"):
-        if mtp:
-            raise LoadError(
-                "--speculative-config method mtp reads the MTP layers of HF checkpoint folders "
-                "(BF16, block-FP8); GGUF files are not supported for it yet"
-            )
         from moeserve.loader.gguf import load_gguf_model
 
         return load_gguf_model(
@@ -143,6 +150,7 @@ def _load(
             load_format=load_format,
             kv_cache_dtype=kv_cache_dtype,
             planning=planning,
+            mtp=mtp,
         )
     if not (Path(path) / "config.json").is_file():
         raise LoadError(f"{path} is neither a .gguf file nor a folder with config.json")

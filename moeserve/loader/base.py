@@ -82,3 +82,5 @@ class LoadedModel:
     kernel_plan: KernelPlan  # what serves each part of the model (the banner prints it)
     quant: Any = None  # the checkpoint's QuantConfig (None: unquantized or GGUF)
     load_seconds: float = 0.0  # building the model and reading (or generating) its weights
+    # an EAGLE-3 draft head loaded for this model (moeserve.models.eagle3), or None
+    draft: Any = None

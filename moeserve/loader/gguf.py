@@ -140,12 +140,13 @@ def load_gguf_model(
     load_format: str = "auto",
     kv_cache_dtype: str = "auto",
     planning: Planning = DEFAULT_PLANNING,
+    mtp: bool = False,
 ) -> LoadedModel:
     """Build the model of a GGUF file (llama or deepseek2) and load its weights.
 
     `tp`: this rank's tensor-parallel group (deepseek2): every rank reads the whole file and
     its parameters' weight loaders keep its slice (None: one process). `num_layers`: keep the
-    first N layers.
+    first N layers. `mtp`: also build the file's first MTP (nextn) block as a draft model.
     """
     from gguf import GGUFReader
 
@@ -170,7 +171,11 @@ def load_gguf_model(
     f = _GGUFFile(reader, meta, arch_meta, tokenizer)
     tp = tp or SINGLE
     if arch == "deepseek2":
-        return _load_deepseek2(f, dtype, device, quantize, tp, num_layers, kv_cache_dtype, planning)
+        return _load_deepseek2(
+            f, dtype, device, quantize, tp, num_layers, kv_cache_dtype, planning, mtp
+        )
+    if mtp:
+        raise LoadError("--speculative-config method mtp needs a deepseek2 GGUF file with MTP")
     if tp.size > 1:
         raise LoadError("tensor parallelism over a llama GGUF file is not supported")
     return _load_llama(f, dtype, device, quantize, num_layers, planning)
@@ -213,6 +218,7 @@ def _load_deepseek2(
     num_layers: int | None,
     kv_cache_dtype: str,
     planning: Planning,
+    mtp: bool,
 ) -> LoadedModel:
     from moeserve.layers.quant.base import NoQuant
     from moeserve.loader.base import resolve_kv_cache_dtype
@@ -227,6 +233,13 @@ def _load_deepseek2(
         cfg = ModelConfig.from_hf(deepseek2_hf_config(f.arch_meta, f.tensor_names, vocab))
     except (KeyError, ConfigError) as e:
         raise LoadError(f"GGUF deepseek2 metadata is incomplete or unsupported: {e}") from None
+    if mtp:
+        if cfg.num_nextn_predict_layers < 1:
+            raise LoadError(
+                "--speculative-config method mtp: this GGUF file has no MTP (nextn) block "
+                "(llama.cpp's deepseek2 converter drops it); use the HF checkpoint folder"
+            )
+        cfg = cfg.with_mtp()
     if num_layers is not None:
         cfg = cfg.with_layers(num_layers)
     cfg = _with_special_ids(cfg, f.tokenizer)

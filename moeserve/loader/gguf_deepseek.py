@@ -8,6 +8,11 @@ kv_lora_rank`, and the per-head sizes under `key_length_mla` (nope + rope) and
 `key_length` is nope + rope and `value_length` is v. `rope.scaling.yarn_log_multiplier` is
 0.1 * mscale_all_dim (the converter's own factor, which llama.cpp divides out again).
 
+MTP. llama.cpp's deepseek2 converter drops DeepSeek-V3's MTP layer; a file that keeps it has
+`nextn_predict_layers` > 0, `block_count` counting it, and its block under the main layers'
+names plus gguf-py's `nextn.*` names (eh_proj, enorm, hnorm, shared_head_norm/_head,
+embed_tokens), the layout llama.cpp's own converter writes for DeepSeek-V3.2.
+
 Tensors. Newer converters replace `attn_kv_b` [heads*(nope+v), kv_lora] by `attn_k_b`
 [heads, kv_lora, nope] (each head's nope rows, transposed) and `attn_v_b` [heads, v, kv_lora];
 kv_b_proj is rebuilt from the two. Routed experts are stacked [E, out, in] (`ffn_*_exps`) and
@@ -62,6 +67,13 @@ _BLOCK = {
     "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    # an MTP block's own tensors (gguf-py's NEXTN names; the decoder block's are as above)
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight",
+    "nextn.embed_tokens.weight": "embed_tokens.weight",
 }
 # stacked [E, out, in] -> one `mlp.experts.{e}.{proj}.weight` per expert
 _EXPERTS = {
@@ -217,8 +229,8 @@ def iter_deepseek2_weights(
     for t in tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", leave=False):
         m = _BLOCK_RE.match(t.name)
         layer, kind = (int(m.group(1)), m.group(2)) if m else (None, t.name)
-        if layer is not None and layer >= cfg.num_hidden_layers:
-            continue  # MTP layers, or layers cut by num_layers
+        if layer is not None and layer >= cfg.num_hidden_layers and layer != cfg.mtp_index:
+            continue  # MTP layers not drafted with, or layers cut by num_layers
         name = hf_name(t.name)
         if name is not None:
             yield name, dequantize(t, None)

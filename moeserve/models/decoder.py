@@ -34,6 +34,9 @@ class PreNormDecoderLayer(nn.Module):
     mlp: nn.Module
     tp: TPGroup = SINGLE
     partial_outputs = False
+    # EAGLE-3: a preallocated [tokens, H] view that receives the residual stream entering this
+    # layer (a draft head reads it); None: nothing captured, nothing copied
+    aux_out: torch.Tensor | None = None
 
     def forward(
         self,
@@ -48,6 +51,8 @@ class PreNormDecoderLayer(nn.Module):
             x, residual = reduce_add_norm(
                 self.input_layernorm, x, residual, self.tp, self.partial_outputs
             )
+        if self.aux_out is not None:
+            self.aux_out[: residual.shape[0]].copy_(residual)
         x = self.self_attn(positions, x, ctx)
         x, residual = reduce_add_norm(
             self.post_attention_layernorm, x, residual, self.tp, self.partial_outputs

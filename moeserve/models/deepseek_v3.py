@@ -3,8 +3,9 @@
 Checkpoint names handled by `load_weights`:
 - the text model under `cfg.weight_prefix` (Kimi-K2.5: `language_model.`), with or without
   the `.model.` level (NVIDIA's NVFP4 export drops it);
-- `vision_tower.*` / `mm_projector.*` (Kimi-K2.5) and MTP layers (index >= num_hidden_layers)
-  are skipped, each with one log line;
+- `vision_tower.*` / `mm_projector.*` (Kimi-K2.5) -> the vision encoder `vision`
+  (models/kimi_vision.py) on the rank that holds it (rank 0), skipped elsewhere; MTP layers
+  (index >= num_hidden_layers) are skipped, with one log line;
 - per-expert tensors `mlp.experts.{e}.{proj}.{suffix}` -> the stacked banks
   `mlp.experts.w13` (gate, up: parts 0, 1) / `mlp.experts.w2` (down) with shard id
   (e, part), and transformers-5 stacked ones (`mlp.experts.gate_up_proj`,
@@ -35,6 +36,7 @@ from moeserve.layers.norm import RMSNorm
 from moeserve.layers.quant.base import QuantConfig
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.decoder import PreNormDecoderLayer, reduce_add_norm
+from moeserve.models.kimi_vision import KimiVisionModel
 from moeserve.models.weights import finish_loading
 from moeserve.parallel.groups import SINGLE, TPGroup
 
@@ -53,6 +55,7 @@ _QKV_A_SHARD = {"q_a_proj": 0, "kv_a_proj_with_mqa": 1}
 # per-expert projection -> (stacked bank, part within it)
 _EXPERT_PARTS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
 _SKIPPED_TOWERS = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+_VISION = ("vision_tower.", "mm_projector.")  # Kimi-K2.5's, loaded where the model has them
 
 
 class DeepseekV3DecoderLayer(PreNormDecoderLayer):
@@ -154,9 +157,15 @@ class DeepseekV3Model(nn.Module):
             )
 
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(ids), None
+        if embeds is not None:  # (rows, values): image embeddings replace the placeholders'
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)
         x, _ = reduce_add_norm(self.norm, x, residual, self.tp, partial=True)
@@ -184,11 +193,22 @@ class DeepseekV3ForCausalLM(nn.Module):
             if cfg.mtp_index >= 0
             else None
         )
+        # Kimi-K2.5's vision encoder, on rank 0 only: it encodes each image once and the
+        # step hands every rank the embeddings (engine/runner.py)
+        self.vision = (
+            KimiVisionModel(cfg.vision, dtype) if cfg.vision is not None and tp.rank == 0 else None
+        )
 
     def forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return self.model(ids, positions, ctx)
+        """`embeds`: (token rows, [rows, hidden] values) that replace those rows' token
+        embeddings (images)."""
+        return self.model(ids, positions, ctx, embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
@@ -226,6 +246,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         """(model param name, tensor, shard id) for every tensor this model takes."""
         n_layers = self.config.num_hidden_layers
         for ckpt_name, tensor in weights:
+            if self.vision is not None and ckpt_name.startswith(_VISION):
+                yield "vision." + ckpt_name, tensor, None
+                continue
             if ckpt_name.startswith(_SKIPPED_TOWERS) or "rotary_emb.inv_freq" in ckpt_name:
                 skipped["vision"] += ckpt_name.startswith(_SKIPPED_TOWERS)
                 continue
@@ -324,9 +347,10 @@ class DeepseekV3ForCausalLM(nn.Module):
                 param.weight_loader(param, tensor, shard)
             loaded.add(name)
         if skipped["vision"]:
-            log.info(
-                "skipped %d vision-tower / projector tensors (text-only serving)", skipped["vision"]
-            )
+            log.info("skipped %d vision-tower / projector tensors", skipped["vision"])
+        if self.vision is not None and not any(n.startswith("vision.") for n in loaded):
+            log.info("the checkpoint holds no vision tensors: served as text only")
+            self.vision = None
         if skipped["layers"]:
             log.info(
                 "skipped %d tensors of layers >= %d (MTP / cut layers)",

@@ -10,6 +10,7 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.kernels import cpu as cpu_kernels
+from moeserve.kernels.cpu import decoder as cpu_decoder
 from moeserve.layers.attention.metadata import ForwardContext
 from moeserve.layers.attention.mha import PagedAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -113,6 +114,37 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", quant, tp, dtype)
 
+    def native_layer(self) -> cpu_decoder.DecoderLayer | None:
+        """The whole layer as one native call, where its parts all run on the native CPU
+        kernels (bf16 activations and cache, packed weights, no biases, one rank, RoPE over
+        the whole head); asked once the weights are packed and the cache bound."""
+        a, mlp = self.self_attn, self.mlp
+        linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        weights = [getattr(lin, "native_weight", None) for lin in linears]
+        rotary = a.rotary[0]
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        if (
+            not (mlp.native and a.attn.native)
+            or any(w is None for w in weights)
+            or any(lin.bias is not None or lin.tp.size != 1 for lin in linears)
+            or rotary.interleaved
+            or rotary.rotary_dim != a.head_dim
+            or any(n.dtype != torch.bfloat16 for n in (*norms, a.attn.k_cache))
+        ):
+            return None
+        return cpu_decoder.DecoderLayer(
+            *weights,
+            norms[0].data,
+            norms[1].data,
+            self.input_layernorm.eps,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            a.attn.scale,
+            rotary.cos,
+            rotary.sin,
+        )
+
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -128,15 +160,49 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # the layers as native calls (native_layer), decided at the first forward, once the
+        # weights are packed; False where they do not all qualify
+        self._native: list[cpu_decoder.DecoderLayer] | bool | None = None
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
+        if self._native is None:
+            layers = [layer.native_layer() for layer in self.layers]
+            ok = all(n is not None for n in layers) and all(
+                w.dtype == torch.bfloat16 for w in (self.norm.weight, self.embed_tokens.weight)
+            )
+            self._native = layers if ok and layers else False
+        # a layer that hands its residual stream to a draft head (aux_out) runs in torch
+        if self._native and all(layer.aux_out is None for layer in self.layers):
+            return self._native_forward(self._native, ids, positions, ctx)
         x, residual = self.embed_tokens(ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)
         x, _ = self.norm(x, residual)
         return x
+
+    def _native_forward(
+        self,
+        native: list[cpu_decoder.DecoderLayer],
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """The same layers, one native call each (x and the residual updated in place)."""
+        md = ctx.attn
+        x = self.embed_tokens(ids).contiguous()
+        residual = torch.empty_like(x)
+        step = cpu_decoder.DecoderStep(
+            native[0], positions, md.slot_mapping, md.block_tables, md.query_lens_host,
+            md.seq_lens_host,
+        )  # fmt: skip
+        for i, (layer, fused) in enumerate(zip(self.layers, native, strict=True)):
+            attn = layer.self_attn.attn
+            if not fused.cache_is(attn.k_cache, attn.v_cache):
+                fused.bind_cache(attn.k_cache, attn.v_cache)
+            fused(step, x, residual, first=i == 0)
+        return cpu_decoder.add_rmsnorm(x, residual, self.norm.weight.data, self.norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -11,6 +11,12 @@
   (it can take a host's shared GPUs down). A start-up self-test on every rank must pass, or
   the group falls back to NCCL (and says so).
 
+The choice is `choose_all_reduce`, a pure function of a `Topology` (same host, peer access
+between every pair as ``torch.cuda.can_device_access_peer`` says, NVLink or PCIe as nvml says):
+one-shot wherever every pair has peer access, PCIe included (with a lower threshold over PCIe);
+NCCL otherwise, with ``NCCL_NO_P2P_ENV`` on one host without peer access. `moeserve plan`
+evaluates the same function on `planned_topology`.
+
 Layers reach the communicator through their ``TPGroup``; ``describe()`` is the one
 start-up line that names the choice and why. Every rank must issue the same collectives in
 the same order on one stream (the one-shot kernels count calls on the device to pair them);
@@ -25,12 +31,13 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moeserve.hardware import Interconnect
 from moeserve.kernels.comm import allreduce as ar
 from moeserve.kernels.elementwise.norm import add_rmsnorm
 
@@ -43,10 +50,21 @@ log = logging.getLogger(__name__)
 # torch's one-shot on 2 GPUs already won by 2x (shared/PERF.md).
 ONE_SHOT_MAX_BYTES = 1 << 20
 ONE_SHOT_MAX_BYTES_2_RANKS = 4 << 20
+# Over PCIe each rank pushes its partial to every peer (world - 1 copies over its link) where a
+# ring moves about 2x the message: with the figures measured elsewhere on 8 RTX PRO 6000
+# (one-shot ~8 us, NCCL ~24 us up to 8 KB, ~54 GB/s P2P) the two cross near
+# 16 us x 54 GB/s / (7 - 1.75) ~ 165 KB. An estimate, not a measurement here: 128 KiB.
+ONE_SHOT_MAX_BYTES_PCIE = 128 << 10
 
 
-def one_shot_max_bytes_for(world: int) -> int:
-    """The one-shot threshold for a group of `world` ranks (measured where it differs)."""
+# "nvlink" (every pair), "pcie" (some pair without NVLink), "unknown" (no nvml to ask)
+Link = Literal["nvlink", "pcie", "unknown"]
+
+
+def one_shot_max_bytes_for(world: int, link: Link = "unknown") -> int:
+    """The one-shot threshold for a group of `world` ranks over `link` (see Topology)."""
+    if link == "pcie":
+        return ONE_SHOT_MAX_BYTES_PCIE
     return ONE_SHOT_MAX_BYTES_2_RANKS if world == 2 else ONE_SHOT_MAX_BYTES
 
 
@@ -66,6 +84,12 @@ NO_MULTICAST_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+# NCCL for GPUs of one host that cannot reach each other's memory (PCIe without P2P): decode's
+# all-reduces are small, so the low-latency LL protocol should serve them. NCCL has no
+# size-threshold knob; NCCL_PROTO limits its tuner to LL (small messages) and Simple (large
+# ones: LL would halve prefill's bandwidth). LL128 is NVLink-only in NCCL's defaults, so on
+# PCIe this pins the default rather than changing it. A value the user set is kept.
+NCCL_NO_P2P_ENV = {"NCCL_PROTO": "LL,Simple"}
 # A start-up self-test wait longer than this marks the one-shot path broken (then NCCL).
 SELF_TEST_TIMEOUT_NS = 60 * 10**9
 # Calls of each kernel in the self-test: enough to cycle through every buffer generation.
@@ -289,6 +313,62 @@ class Topology:
     same_host: bool
     p2p: bool  # every pair of the group's GPUs can read each other's memory
     detail: str  # why p2p is False, or how the peers are connected
+    link: Link = "unknown"
+
+
+@dataclass(frozen=True)
+class AllReduceChoice:
+    """The group's all-reduce: `kind` as `choose` returns it, why, the one-shot threshold
+    (bytes per rank; NCCL above) and the NCCL settings this choice applies."""
+
+    kind: str  # "single" | "torch" | "one-shot"
+    why: str
+    one_shot_max_bytes: int
+    nccl_env: dict[str, str]
+
+    def line(self) -> str:
+        """The choice in one line, as the start-up banner and `moeserve plan` say it."""
+        if self.kind == "one-shot":
+            return (
+                f"one-shot over peer memory up to {self.one_shot_max_bytes // 1024} KiB per rank, "
+                f"NCCL above ({self.why})"
+            )
+        if self.kind == "single":
+            return f"none ({self.why})"
+        env = " ".join(f"{k}={v}" for k, v in self.nccl_env.items())
+        return f"NCCL{f' with {env}' if env else ''} ({self.why})"
+
+
+def planned_topology(interconnect: Interconnect, hosts: int = 1) -> Topology:
+    """The Topology a deployment of GPUs linked by `interconnect` (moeserve.hardware) over
+    `hosts` hosts would probe at start-up."""
+    if hosts > 1:
+        return Topology(False, False, f"the ranks span {hosts} hosts")
+    if interconnect == "nvlink":
+        return Topology(True, True, "every pair P2P-accessible; NVLink", "nvlink")
+    if interconnect == "pcie-p2p":
+        return Topology(True, True, "every pair P2P-accessible; PCIe", "pcie")
+    return Topology(True, False, "PCIe without peer access", "pcie")
+
+
+def choose_all_reduce(
+    world: int,
+    topology: Topology | None,
+    prefer: str = "auto",
+    symm_mem_reason: str | None = None,
+    rows: int = 1,
+    one_shot_max_bytes: int | None = None,
+) -> AllReduceChoice:
+    """The all-reduce of `world` GPU ranks over `topology`, a pure function (no device, no
+    environment): one-shot whenever every pair of GPUs has peer access, over NVLink or PCIe;
+    NCCL across hosts, and with NCCL_NO_P2P_ENV on one host without peer access.
+    `rows`: see one_shot_rows (0: a row does not fit the one-shot buffers)."""
+    link = topology.link if topology is not None else "unknown"
+    max_bytes = one_shot_max_bytes or one_shot_max_bytes_for(world, link)
+    kind, why = choose(world, "cuda", topology, symm_mem_reason, rows, prefer)
+    no_p2p = topology is not None and topology.same_host and not topology.p2p
+    env = dict(NCCL_NO_P2P_ENV) if kind == "torch" and no_p2p else {}
+    return AllReduceChoice(kind, why, max_bytes, env)
 
 
 def one_shot_rows(max_tokens: int, hidden: int, dtype: torch.dtype, max_bytes: int) -> int:
@@ -365,6 +445,33 @@ def _device_uuid(index: int) -> str:
     return str(getattr(torch.cuda.get_device_properties(index), "uuid", f"index-{index}"))
 
 
+def _nvml_links(uuids: list[str]) -> Link:
+    """`nvlink` when nvml says every pair of these GPUs talks over NVLink, `pcie` when some
+    pair does not, `unknown` without nvml (the nvidia-ml-py package) or its answer."""
+    try:
+        import pynvml
+    except ImportError:
+        return "unknown"
+    try:
+        pynvml.nvmlInit()
+        try:
+            handles = [
+                pynvml.nvmlDeviceGetHandleByUUID(u if u.startswith("GPU-") else f"GPU-{u}")
+                for u in uuids
+            ]
+            ok = pynvml.NVML_P2P_STATUS_OK
+            nvlink = pynvml.NVML_P2P_CAPS_INDEX_NVLINK
+            for i, a in enumerate(handles):
+                for b in handles[i + 1 :]:
+                    if pynvml.nvmlDeviceGetP2PStatus(a, b, nvlink) != ok:
+                        return "pcie"
+            return "nvlink"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - an nvml without the call, or no driver: not known
+        return "unknown"
+
+
 def _local_verdict(
     device: torch.device, peers: list[tuple[str, str]], need_atomics: bool
 ) -> tuple[bool, str]:
@@ -403,7 +510,10 @@ def probe_topology(
     verdicts: list[Any] = [None] * world
     dist.all_gather_object(verdicts, (ok, why), group=group)
     bad = [w for ok_, w in verdicts if not ok_]
-    return Topology(same_host, not bad, bad[0] if bad else why)
+    # every rank sees the same uuids, so nvml's answer agrees across ranks
+    link = _nvml_links([u for _, u in peers]) if same_host else "unknown"
+    how = "NVLink" if link == "nvlink" else "PCIe" if link == "pcie" else "link unknown (no nvml)"
+    return Topology(same_host, not bad, f"{bad[0] if bad else why}; {how}", link)
 
 
 def _peer_views(hdl: Any, local: torch.Tensor, world: int, rank: int) -> tuple[torch.Tensor, ...]:
@@ -529,10 +639,17 @@ def create_communicator(
     nccl = "nccl"
     topology = probe_topology(host_group, world, device, need_atomics=protocol == "flag")
     if one_shot_max_bytes is None:
-        one_shot_max_bytes = one_shot_max_bytes_for(world)
+        one_shot_max_bytes = one_shot_max_bytes_for(world, topology.link)
     rows = one_shot_rows(max_tokens, hidden, dtype, one_shot_max_bytes)
-    kind, why = choose(world, device.type, topology, _symm_mem_reason(), rows, prefer)
+    choice = choose_all_reduce(
+        world, topology, prefer, _symm_mem_reason(), rows, one_shot_max_bytes
+    )
+    kind, why = choice.kind, choice.why
     if kind != "one-shot":
+        # before the group's first NCCL collective (NCCL reads them at communicator creation)
+        applied = {k: os.environ.setdefault(k, v) for k, v in choice.nccl_env.items()}
+        if applied:
+            why += "; " + " ".join(f"{k}={v}" for k, v in applied.items())
         return TorchCommunicator(group, world, nccl, why, device)
     fallback = TorchCommunicator(group, world, nccl, "above the one-shot threshold", device)
     error: str | None

@@ -200,6 +200,7 @@ async def chat_completions(st: ServerState, req: ChatCompletionRequest, raw: Req
         sampling_params(req, req.output_limit, req.seed, top_logprobs, **stops),
         ChatCompletionRequest.model_fields,
         prompt.field,
+        prompt.images,
     )
     choices = [
         ChatChoiceStream(
@@ -232,6 +233,7 @@ async def chat_completions(st: ServerState, req: ChatCompletionRequest, raw: Req
                 skip_special_tokens=False if c.parser.active else None,
                 **stops,
             ),
+            prompt.images or None,
         )
         for c in choices
     ]

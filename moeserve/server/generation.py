@@ -33,6 +33,7 @@ class SubRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    images: list | None = None  # `ImageInput`s of the prompt's placeholders
 
 
 @dataclass
@@ -94,7 +95,10 @@ class GenerationGroup:
     async def _pump(self, sub: SubRequest) -> None:
         queued = True
         try:
-            async for out in self.engine.generate(sub.prompt_ids, sub.params, sub.request_id):
+            extra = {"images": sub.images} if sub.images else {}
+            async for out in self.engine.generate(
+                sub.prompt_ids, sub.params, sub.request_id, **extra
+            ):
                 if queued:
                     queued = False
                     self.counter.release(1)

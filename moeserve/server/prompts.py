@@ -7,11 +7,14 @@ thread, off the event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from moeserve.multimodal.images import ImageError, ImageLimits, load_image
+from moeserve.multimodal.inputs import ImageInput
 from moeserve.server.errors import ApiError
 from moeserve.server.protocol import (
     ChatCompletionRequest,
@@ -30,6 +33,7 @@ class Prompt:
     text: str  # the rendered chat, or what `echo` repeats of a completion prompt
     field: str = "prompt"  # the request field that holds it ("messages", "prompt.1", ...)
     from_ids: bool = False  # sent as token ids: `text` is decoded once the engine took them
+    images: list[ImageInput] = dataclasses.field(default_factory=list)  # prompt order
 
 
 def count_prompts(prompt: PromptInput) -> int:
@@ -43,8 +47,49 @@ class PromptBuilder:
     """Turns request prompts into token ids with the engine's tokenizer, refusing what the
     model cannot take with a 400 that names the offending parameter."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        image_processor: Any = None,
+        image_limits: ImageLimits | None = None,
+        max_images: int = 0,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.image_processor = image_processor  # None: the model takes no images
+        self.image_limits = image_limits
+        self.max_images = max_images
+
+    def images(self, messages: list[ChatMessage]) -> list[ImageInput]:
+        """The messages' images, loaded and preprocessed in order; a 400 naming the part of
+        the first one the server cannot use."""
+        parts = [
+            (f"messages.{i}.content.{j}.image_url", part)
+            for i, m in enumerate(messages)
+            for j, part in m.image_parts()
+        ]
+        if not parts:
+            return []
+        if self.image_processor is None:
+            raise ApiError(
+                "This model takes no images (it has no vision encoder).", param=parts[0][0]
+            )
+        if len(parts) > self.max_images:
+            raise ApiError(
+                f"This request holds {len(parts)} images; this server takes at most "
+                f"{self.max_images} per request (--max-images-per-request).",
+                param="messages",
+            )
+        out = []
+        for param, part in parts:
+            url = part.url
+            if not url:
+                raise ApiError("An image_url part needs a url.", param=param)
+            assert self.image_limits is not None
+            try:
+                out.append(self.image_processor.preprocess(load_image(url, self.image_limits)))
+            except ImageError as e:
+                raise ApiError(f"Invalid image: {e}.", param=param) from e
+        return out
 
     def render_chat(
         self,
@@ -97,6 +142,7 @@ class PromptBuilder:
     ) -> Prompt:
         """The rendered chat, tokenized; `suffix(text)`, if given, is what the server appends
         to the rendered text first (the start of a tool call it makes the model write)."""
+        images = self.images(req.messages)
         text = self.render_chat(
             req.messages,
             req.tools,
@@ -107,9 +153,17 @@ class PromptBuilder:
         if suffix is not None:
             text += suffix(text)
         # the template wrote the special tokens the model expects
-        return Prompt(
-            self.encode(text, add_special_tokens=False, param="messages"), text, "messages"
-        )
+        ids = self.encode(text, add_special_tokens=False, param="messages")
+        if self.image_processor is not None:
+            ids = self.expand_images(ids, images)
+        return Prompt(ids, text, "messages", images=images)
+
+    def expand_images(self, ids: list[int], images: list[ImageInput]) -> list[int]:
+        """`ids` with each image's placeholder repeated for its tokens (a 400 on a mismatch)."""
+        try:
+            return self.image_processor.expand(ids, images)
+        except ImageError as e:
+            raise ApiError(f"Invalid messages: {e}.", param="messages") from e
 
     def completion(self, req: CompletionRequest) -> list[Prompt]:
         p = req.prompt

@@ -22,6 +22,7 @@ MAX_N = 128  # OpenAI's limit on choices per request
 MAX_LOGPROBS = 20  # SamplingParams.MAX_LOGPROBS; kept equal by a test
 NAMED_TOOL_CHOICE = '{"type": "function", "function": {"name": ...}}'
 ROLES = ("system", "developer", "user", "assistant", "tool")
+IMAGE_PART_TYPES = ("image_url",)
 
 
 class OpenAIModel(BaseModel):
@@ -112,9 +113,25 @@ class ToolCallIn(OpenAIModel):
     function: FunctionCall
 
 
+class ImageUrl(OpenAIModel):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(OpenAIModel):
     type: str
     text: str | None = None
+    image_url: ImageUrl | str | None = None
+
+    @property
+    def is_image(self) -> bool:
+        return self.type in IMAGE_PART_TYPES
+
+    @property
+    def url(self) -> str | None:
+        """An image part's URL (None when it has none)."""
+        u = self.image_url
+        return u.url if isinstance(u, ImageUrl) else u
 
 
 class ChatMessage(OpenAIModel):
@@ -146,10 +163,27 @@ class ChatMessage(OpenAIModel):
             texts.append(part.text)
         return "".join(texts)
 
+    def image_parts(self) -> list[tuple[int, ContentPart]]:
+        """(index in content, part) of the message's image parts."""
+        if not isinstance(self.content, list):
+            return []
+        return [(i, p) for i, p in enumerate(self.content) if p.is_image]
+
     def to_template(self) -> dict[str, Any]:
-        """The dict a chat template sees (absent fields left out)."""
+        """The dict a chat template sees (absent fields left out); a message with images keeps
+        its content as a list of text and image_url parts, which the template renders."""
         d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
-        d["content"] = self.text() if self.content is not None else ""
+        if self.image_parts():
+            assert isinstance(self.content, list)
+            d["content"] = [
+                {"type": "image_url"} if p.is_image else {"type": "text", "text": p.text or ""}
+                for p in self.content
+                if p.is_image or (p.type == "text" and p.text is not None)
+            ]
+            if len(d["content"]) != len(self.content):
+                self.text()  # raises for the part it cannot take
+        else:
+            d["content"] = self.text() if self.content is not None else ""
         if self.name is not None:
             d["name"] = self.name
         if self.tool_calls:

@@ -9,6 +9,7 @@ from typing import Any
 
 from moeserve.config import ServerConfig
 from moeserve.engine.errors import EngineInputError
+from moeserve.multimodal.images import ImageLimits
 from moeserve.sampling import SamplingParams
 from moeserve.server import parsers
 from moeserve.server.errors import ApiError, from_engine
@@ -39,7 +40,18 @@ class ServerState:
     tool_marker_ids: dict[int, str] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.prompts = PromptBuilder(self.engine.tokenizer)
+        cfg = self.config
+        self.prompts = PromptBuilder(
+            self.engine.tokenizer,
+            getattr(self.engine, "image_processor", None),
+            ImageLimits(
+                cfg.max_image_bytes,
+                cfg.max_image_pixels,
+                cfg.media_fetch_timeout,
+                ImageLimits.parse_domains(cfg.allowed_media_domains),
+            ),
+            cfg.max_images_per_request,
+        )
         self.logprobs = LogprobFormatter(self.engine.tokenizer)
         self.tool_marker_ids = parsers.marker_token_ids(self.tool_parser, self.engine.tokenizer)
 
@@ -86,12 +98,19 @@ class ServerState:
             )
 
     def check_request(
-        self, prompt_ids: list[int], params: SamplingParams, fields: Any, prompt_param: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        fields: Any,
+        prompt_param: str,
+        images: list | None = None,
     ) -> int:
         """The engine's checks of one prompt and its parameters, before anything is admitted;
         returns max_tokens, resolved. A refusal is a 400 naming the request's own field
         (`fields`: the request model's)."""
         try:
+            if images:
+                return self.engine.validate(prompt_ids, params, images)
             return self.engine.validate(prompt_ids, params)
         except EngineInputError as e:
             raise from_engine(e, fields, prompt_param) from e

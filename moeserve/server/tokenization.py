@@ -27,6 +27,8 @@ def tokenize(st: ServerState, req: TokenizeRequest) -> dict[str, Any]:
         text = req.prompt or ""
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
     ids = st.prompts.encode(text, add_special_tokens=add_special)
+    if req.messages is not None and any(m.image_parts() for m in req.messages):
+        ids = st.prompts.expand_images(ids, st.prompts.images(req.messages))
     res: dict[str, Any] = {
         "tokens": ids,
         "count": len(ids),

@@ -31,6 +31,7 @@ import base64
 import collections
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,8 @@ FORMATS = ("bf16", "fp8-block", "nvfp4-modelopt", "nvfp4-ct")
 FP8_WEIGHT_BLOCK = 128
 MODELOPT_VERSION = "0.47.0"
 KIMI_SPECIAL_BASE_PUBLISHED = 163584
+VISION_PATCH = 14  # MoonViT's patch side, in pixels
+VISION_MERGE = 4  # patches merged into one token (2 x 2)
 KIMI_NUM_SPECIAL = 256
 KIMI_PAT_STR = "|".join(
     [
@@ -82,6 +85,10 @@ KIMI_SPECIALS = {
     14: "<|tool_call_argument_begin|>",
     15: "<|tool_call_end|>",
     17: "<|im_middle|>",
+    18: "<|media_begin|>",
+    19: "<|media_content|>",
+    20: "<|media_end|>",
+    21: "<|media_pad|>",
     22: "<think>",
     23: "</think>",
     254: "[UNK]",
@@ -360,15 +367,89 @@ def text_config(like: str, s: TinyShape, vocab: int, bos: int, eos: int) -> dict
     return c
 
 
-def full_config(like: str, text: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TinyVision:
+    """A tiny MoonViT tower + projector (the published one: 27 layers, width 1152, 16 heads,
+    MLP 4304, a 64 x 64 position table); the 8 x 8 table here is resized for most images."""
+
+    layers: int = 2
+    hidden: int = 32
+    heads: int = 2
+    intermediate: int = 64
+    pos_emb: int = 8
+
+
+def vision_config(v: TinyVision, text_hidden: int) -> dict[str, Any]:
+    """`vision_config` with the published field names and values other than the sizes."""
+    return {
+        "init_pos_emb_height": v.pos_emb,
+        "init_pos_emb_time": 4,
+        "init_pos_emb_width": v.pos_emb,
+        "merge_kernel_size": [2, 2],
+        "merge_type": "sd2_tpool",
+        "mm_hidden_size": v.hidden,
+        "mm_projector_type": "patchmerger",
+        "model_type": "",
+        "patch_size": VISION_PATCH,
+        "pos_emb_type": "divided_fixed",
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-05,
+        "text_hidden_size": text_hidden,
+        "video_attn_type": "spatial_temporal",
+        "vt_hidden_size": v.hidden,
+        "vt_intermediate_size": v.intermediate,
+        "vt_num_attention_heads": v.heads,
+        "vt_num_hidden_layers": v.layers,
+    }
+
+
+def vision_tensors(
+    gen: torch.Generator, v: TinyVision, text_hidden: int
+) -> dict[str, torch.Tensor]:
+    """`vision_tower.*` and `mm_projector.*` as the published checkpoints name and shape
+    them (BF16)."""
+    d, m = v.hidden, v.hidden * VISION_MERGE
+    t: dict[str, torch.Tensor] = {
+        "vision_tower.patch_embed.proj.weight": _rand(gen, d, 3, VISION_PATCH, VISION_PATCH),
+        "vision_tower.patch_embed.proj.bias": _rand(gen, d),
+        "vision_tower.patch_embed.pos_emb.weight": _rand(gen, v.pos_emb, v.pos_emb, d, std=0.5),
+        "vision_tower.encoder.final_layernorm.weight": _norm(gen, d),
+        "vision_tower.encoder.final_layernorm.bias": _rand(gen, d),
+        "mm_projector.pre_norm.weight": _norm(gen, d),
+        "mm_projector.pre_norm.bias": _rand(gen, d),
+        "mm_projector.proj.0.weight": _rand(gen, m, m, std=0.1),
+        "mm_projector.proj.0.bias": _rand(gen, m),
+        "mm_projector.proj.2.weight": _rand(gen, text_hidden, m, std=0.5),
+        "mm_projector.proj.2.bias": _rand(gen, text_hidden),
+    }
+    for i in range(v.layers):
+        p = f"vision_tower.encoder.blocks.{i}"
+        t[f"{p}.norm0.weight"], t[f"{p}.norm0.bias"] = _norm(gen, d), _rand(gen, d)
+        t[f"{p}.norm1.weight"], t[f"{p}.norm1.bias"] = _norm(gen, d), _rand(gen, d)
+        t[f"{p}.wqkv.weight"], t[f"{p}.wqkv.bias"] = (
+            _rand(gen, 3 * d, d, std=0.2),
+            _rand(gen, 3 * d),
+        )
+        t[f"{p}.wo.weight"], t[f"{p}.wo.bias"] = _rand(gen, d, d, std=0.2), _rand(gen, d)
+        t[f"{p}.mlp.fc0.weight"] = _rand(gen, v.intermediate, d, std=0.2)
+        t[f"{p}.mlp.fc0.bias"] = _rand(gen, v.intermediate)
+        t[f"{p}.mlp.fc1.weight"] = _rand(gen, d, v.intermediate, std=0.2)
+        t[f"{p}.mlp.fc1.bias"] = _rand(gen, d)
+    return t
+
+
+def full_config(
+    like: str, text: dict[str, Any], vision: TinyVision | None = None
+) -> dict[str, Any]:
     if like != "kimi-k2.5":
         return dict(text)
+    specials = kimi_special_tokens(text["vocab_size"] - KIMI_NUM_SPECIAL)
     return {
         "architectures": ["KimiK25ForConditionalGeneration"],
         "model_type": "kimi_k25",
         "text_config": text,
-        "vision_config": {"model_type": "moonvit", "hidden_size": 32, "patch_size": 14},
-        "media_placeholder_token_id": text["vocab_size"] - 1,
+        "vision_config": vision_config(vision or TinyVision(), text["hidden_size"]),
+        "media_placeholder_token_id": specials["<|media_pad|>"],
         "torch_dtype": "bfloat16",
         "tie_word_embeddings": False,
     }
@@ -611,6 +692,7 @@ def write_checkpoint(
     w4a4: bool = True,
     kv_fp8: bool = False,
     shards: int = 3,
+    vision: TinyVision = TinyVision(),
 ) -> WrittenCheckpoint:
     """Write a tiny checkpoint; returns its config and ground-truth (dequantized) weights."""
     if like not in LIKES or fmt not in FORMATS:
@@ -624,7 +706,7 @@ def write_checkpoint(
         vocab = write_deepseek_tokenizer(out, shape.merges)
         bos, eos = 0, 1
     text = text_config(like, shape, vocab, bos, eos)
-    config = full_config(like, text)
+    config = full_config(like, text, vision)
     tensors, wc = build_tensors(like, fmt, text, seed, w4a4, kv_fp8)
     kimi = like == "kimi-k2.5"
     # Kimi: text weights under language_model.; NVIDIA's NVFP4 export drops `.model.`
@@ -639,8 +721,7 @@ def write_checkpoint(
     stored = {ckpt_name(n): x for n, x in tensors.items()}
     if kimi:
         gen = torch.Generator().manual_seed(seed + 1)
-        stored["vision_tower.patch_embed.proj.weight"] = _rand(gen, 32, 3 * 14 * 14)
-        stored["mm_projector.linear_1.weight"] = _rand(gen, text["hidden_size"], 32)
+        stored.update(vision_tensors(gen, vision, text["hidden_size"]))
     name_prefix = prefix + ("" if drop_model else "")
     if fmt == "fp8-block":
         config["quantization_config"] = {
@@ -718,10 +799,174 @@ def write_checkpoint(
     return wc
 
 
+# ---- EAGLE-3 draft heads -------------------------------------------------------------------
+# `--like kimi-k2.5-eagle3`: the Llama-style head (LlamaForCausalLMEagle3, SpecForge's export:
+# `midlayer.*`, no embedding: the target's is used); `--like kimi-k2.5-eagle3-mla`: the MLA head
+# of the Kimi-K2.5 drafts (Eagle3DeepseekV2ForCausalLM, model_type kimi_k2, `layers.0.*`, its
+# own embedding). Both: `fc`, `norm`, `lm_head` over the draft vocabulary, `d2t` (int64: target
+# id - draft id) and `t2d` (bool over the target vocabulary), BF16, one safetensors file.
+EAGLE_LIKES = ("kimi-k2.5-eagle3", "kimi-k2.5-eagle3-mla")
+EAGLE_TRANSFORMERS_VERSION = "4.57.1"  # as the published Kimi-K2.5 EAGLE-3 configs
+EAGLE_INTERMEDIATE = 2  # the tiny head's MLP width, times its hidden size
+
+
+def eagle3_aux_layers(n_layers: int) -> list[int]:
+    """Three distinct target layers for a tiny head: the published default (2, L // 2, L - 3)
+    where it is three distinct layers, else the first, middle and last."""
+    ids = [2, n_layers // 2, n_layers - 3]
+    if len(set(ids)) == 3 and min(ids) >= 0:
+        return ids
+    if n_layers < 3:
+        raise ValueError("an EAGLE-3 head reads three target layers: the target needs 3 or more")
+    return [0, n_layers // 2, n_layers - 1]
+
+
+def _smallest_factor(n: int) -> int:
+    return next((p for p in range(2, n + 1) if n % p == 0), 1)
+
+
+def eagle3_config(
+    like: str, text: dict[str, Any], aux: list[int], draft_vocab: int
+) -> dict[str, Any]:
+    """config.json of a tiny head with the published fields, sized for the target `text`."""
+    h, heads = text["hidden_size"], text["num_attention_heads"]
+    common = {
+        "bos_token_id": text["bos_token_id"],
+        "eos_token_id": text["eos_token_id"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
+        "hidden_act": "silu",
+        "hidden_size": h,
+        "initializer_range": 0.02,
+        "intermediate_size": EAGLE_INTERMEDIATE * h,
+        "max_position_embeddings": text["max_position_embeddings"],
+        "num_attention_heads": heads,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": text["rope_theta"],
+        "tie_word_embeddings": False,
+        "transformers_version": EAGLE_TRANSFORMERS_VERSION,
+        "use_cache": True,
+        "vocab_size": text["vocab_size"],
+        "draft_vocab_size": draft_vocab,
+    }
+    if like == "kimi-k2.5-eagle3":
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_key_value_heads": heads // _smallest_factor(heads),  # grouped-query
+            "pad_token_id": 0,
+            "torch_dtype": "bfloat16",
+            **common,
+        }
+    return {
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+        "model_type": "kimi_k2",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "dtype": "bfloat16",
+        "head_dim": text["qk_nope_head_dim"],
+        "max_window_layers": 1,
+        "mlp_bias": False,
+        "num_key_value_heads": heads,
+        "pretraining_tp": 1,
+        "rope_scaling": text["rope_scaling"],
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "qk_nope_head_dim": text["qk_nope_head_dim"],
+        "qk_rope_head_dim": text["qk_rope_head_dim"],
+        "q_lora_rank": text["q_lora_rank"],
+        "kv_lora_rank": text["kv_lora_rank"],
+        "v_head_dim": text["v_head_dim"],
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        **common,
+    }
+
+
+def eagle3_tensors(
+    like: str, cfg: dict[str, Any], draft_tokens: list[int], gen: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """The head's tensors under the published names."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    mla = like == "kimi-k2.5-eagle3-mla"
+    p = "layers.0" if mla else "midlayer"
+    aux = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    inter = cfg["intermediate_size"]
+    t = {
+        "fc.weight": _rand(gen, h, aux * h),
+        "norm.weight": _norm(gen, h),
+        "lm_head.weight": _rand(gen, len(draft_tokens), h, std=0.5),
+        f"{p}.input_layernorm.weight": _norm(gen, h),
+        f"{p}.hidden_norm.weight": _norm(gen, h),
+        f"{p}.post_attention_layernorm.weight": _norm(gen, h),
+        f"{p}.mlp.gate_proj.weight": _rand(gen, inter, h),
+        f"{p}.mlp.up_proj.weight": _rand(gen, inter, h),
+        f"{p}.mlp.down_proj.weight": _rand(gen, h, inter),
+    }
+    heads = cfg["num_attention_heads"]
+    if mla:
+        qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        kv_a = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+        kv_b = heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
+        a = f"{p}.self_attn"
+        t[f"{a}.q_a_proj.weight"] = _rand(gen, cfg["q_lora_rank"], 2 * h)
+        t[f"{a}.q_a_layernorm.weight"] = _norm(gen, cfg["q_lora_rank"])
+        t[f"{a}.q_b_proj.weight"] = _rand(gen, heads * qk, cfg["q_lora_rank"])
+        t[f"{a}.kv_a_proj_with_mqa.weight"] = _rand(gen, kv_a, 2 * h)
+        t[f"{a}.kv_a_layernorm.weight"] = _norm(gen, cfg["kv_lora_rank"])
+        t[f"{a}.kv_b_proj.weight"] = _rand(gen, kv_b, cfg["kv_lora_rank"])
+        t[f"{a}.o_proj.weight"] = _rand(gen, h, heads * cfg["v_head_dim"])
+        t["embed_tokens.weight"] = _rand(gen, v, h, std=1.0)
+    else:
+        d, kvh = h // heads, cfg["num_key_value_heads"]
+        t[f"{p}.self_attn.q_proj.weight"] = _rand(gen, heads * d, 2 * h)
+        t[f"{p}.self_attn.k_proj.weight"] = _rand(gen, kvh * d, 2 * h)
+        t[f"{p}.self_attn.v_proj.weight"] = _rand(gen, kvh * d, 2 * h)
+        t[f"{p}.self_attn.o_proj.weight"] = _rand(gen, h, heads * d)
+    ids = torch.tensor(draft_tokens, dtype=torch.long)
+    t["d2t"] = ids - torch.arange(len(draft_tokens))
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[ids] = True
+    t["t2d"] = t2d
+    return t
+
+
+def write_eagle3_checkpoint(
+    out: str,
+    like: str,
+    target: str,
+    seed: int = 0,
+    draft_vocab: int | None = None,
+    draft_tokens: list[int] | None = None,
+    aux_layers: list[int] | None = None,
+) -> WrittenCheckpoint:
+    """A tiny EAGLE-3 head for the tiny target checkpoint `target`. Its draft vocabulary: the
+    target ids `draft_tokens`, else `draft_vocab` ids spread over the target's vocabulary
+    (default: half of it); `aux_layers`: the target layers it reads (eagle3_aux_layers)."""
+    if like not in EAGLE_LIKES:
+        raise ValueError(f"an EAGLE-3 --like must be one of {EAGLE_LIKES}")
+    with open(os.path.join(target, "config.json")) as f:
+        raw = json.load(f)
+    text = dict(raw.get("text_config") or raw)
+    vocab = text["vocab_size"]
+    if draft_tokens is None:
+        n = draft_vocab or vocab // 2
+        draft_tokens = torch.linspace(0, vocab - 1, n).round().long().unique().tolist()
+    aux = aux_layers or eagle3_aux_layers(text["num_hidden_layers"])
+    os.makedirs(out, exist_ok=True)
+    cfg = eagle3_config(like, text, aux, len(draft_tokens))
+    tensors = eagle3_tensors(like, cfg, list(draft_tokens), torch.Generator().manual_seed(seed))
+    _dump(out, "config.json", cfg)
+    save_sharded(out, tensors, 1)
+    wc = WrittenCheckpoint(out, cfg)
+    wc.ground_truth = {n: x.float() if x.is_floating_point() else x for n, x in tensors.items()}
+    return wc
+
+
 # ---- CLI -------------------------------------------------------------------------------------
 def add_make_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output folder")
-    parser.add_argument("--like", choices=LIKES, default="kimi-k2.5")
+    parser.add_argument("--like", choices=LIKES + EAGLE_LIKES, default="kimi-k2.5")
     parser.add_argument("--format", choices=FORMATS, default="bf16", dest="fmt")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (first is dense)")
     parser.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
@@ -740,9 +985,23 @@ def add_make_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="nvfp4-modelopt: kv_cache_quant_algo FP8 with k/v scales",
     )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="EAGLE-3 heads (--like kimi-k2.5-eagle3[-mla]): the tiny target checkpoint folder",
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        dest="draft_vocab",
+        help="EAGLE-3 heads: draft vocabulary size (default: half the target's)",
+    )
 
 
 def run_make_checkpoint(args: argparse.Namespace) -> int:
+    if args.like in EAGLE_LIKES:
+        return _run_make_eagle3(args)
     if args.hidden % NVFP4_BLOCK:
         print(f"error: --hidden must be a multiple of {NVFP4_BLOCK}")
         return 2
@@ -765,4 +1024,21 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
     )
     n = sum(x.numel() for x in wc.ground_truth.values())
     print(f"wrote {args.like} {args.fmt} checkpoint to {wc.path} ({n:,} parameters)")
+    return 0
+
+
+def _run_make_eagle3(args: argparse.Namespace) -> int:
+    target = args.target
+    if not target or not os.path.isfile(os.path.join(target, "config.json")):
+        print(f"error: --like {args.like} needs --target, a checkpoint folder", file=sys.stderr)
+        return 2
+    try:
+        wc = write_eagle3_checkpoint(
+            args.out, args.like, target, seed=args.seed, draft_vocab=args.draft_vocab
+        )
+    except (ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n = sum(x.numel() for x in wc.ground_truth.values() if x.is_floating_point())
+    print(f"wrote {args.like} draft head for {target} to {wc.path} ({n:,} parameters)")
     return 0

@@ -60,6 +60,9 @@ PAT_STR = "|".join(
     ]
 )
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+# what Kimi-K2.5's chat template writes for an image part (its processor then repeats the
+# <|media_pad|> token once per image token)
+KIMI_IMAGE_PART = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>\n"
 NUM_RESERVED_SPECIAL_TOKENS = 256
 KIMI_K2 = "kimi-k2"
 KIMI_K25 = "kimi-k2.5"
@@ -80,14 +83,21 @@ def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
 
 
 def _content_text(content: Any) -> str:
-    """OpenAI content: a string, None, or a list of parts (text parts joined)."""
+    """OpenAI content: a string, None, or a list of parts (text parts joined; an image part is
+    written as Kimi-K2.5's template writes it)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(
-        p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-    )
+    out = []
+    for p in content:
+        if not isinstance(p, dict):
+            continue
+        if p.get("type") == "text":
+            out.append(p.get("text", ""))
+        elif p.get("type") in ("image", "image_url"):
+            out.append(KIMI_IMAGE_PART)
+    return "".join(out)
 
 
 def _token_str(value: Any) -> str | None:

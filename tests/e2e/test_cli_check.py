@@ -70,7 +70,8 @@ def test_every_written_layout_is_recognised(written, like, fmt):
     assert report.quantized == _writer_components(wc.quantized)
     if like == "kimi-k2.5":
         assert "text weights under language_model." in text
-        assert "2 vision tower / projector (skipped)" in text
+        assert "vision: MoonViT 2 layers, width 32, patch 14, 2x2 merge -> 64; 35 tensors" in text
+        assert "image input served" in text
     if like == "deepseek-v3":
         assert "(MTP, skipped; the draft model of --speculative-config method mtp)" in text
 

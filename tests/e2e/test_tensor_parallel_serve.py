@@ -5,6 +5,7 @@ takes the server down with one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 
 from moeserve.engine.offline import LLM
 from moeserve.sampling import SamplingParams
-from moeserve.testing.checkpoints import TinyShape, write_checkpoint
+from moeserve.testing.checkpoints import TinyShape, write_checkpoint, write_eagle3_checkpoint
 from tests.e2e.conftest import greedy_choice
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
@@ -129,6 +130,34 @@ def test_tp2_mtp_drafts_match_single_process(cli_server, checkpoints, ep):
     extra = ["--enable-expert-parallel"] if ep else []
     server = cli_server(
         path, "-tp", "2", *extra, "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "256", "--threads", "1", "--speculative-config", spec,
+    )  # fmt: skip
+    assert _completions(server.base_url) == want
+    metrics = httpx.get(server.base_url + "/metrics").text
+    drafted = [ln for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode_num_drafts")]
+    assert drafted and int(drafted[0].split()[-1]) > 0, metrics[-1500:]
+    server.close()
+
+
+def test_tp2_eagle3_drafts_match_single_process(cli_server, tmp_path):
+    """An EAGLE-3 MLA draft head (its own folder) under tensor parallelism: every rank loads
+    its slice, captures the target's aux hidden states and runs the head's catch-up and
+    chained draft steps; the answers are one process's plain ones."""
+    path = write_checkpoint(
+        str(tmp_path / "kimi"), "kimi-k2.5", "nvfp4-modelopt", TinyShape(layers=3), seed=11
+    ).path
+    head = write_eagle3_checkpoint(str(tmp_path / "head"), "kimi-k2.5-eagle3-mla", path).path
+    ref = LLM(path, device="cpu", dtype="float32", max_model_len=256)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    want = [
+        _text(ref.tokenizer.decode(c.token_ids, skip_special_tokens=False))
+        for c in ref.generate(PROMPTS, params)
+    ]
+    spec = json.dumps(
+        {"method": "eagle3", "model": head, "num_speculative_tokens": 2, "adaptive": False}
+    )
+    server = cli_server(
+        path, "-tp", "2", "--device", "cpu", "--dtype", "float32",
         "--max-model-len", "256", "--threads", "1", "--speculative-config", spec,
     )  # fmt: skip
     assert _completions(server.base_url) == want

@@ -103,3 +103,21 @@ def test_abort_with_a_token_in_flight(kimi):
             seen["b"].extend(o.token_ids)
     assert len(seen["b"]) == 20
     assert eng.allocator.num_free == eng.num_pages and not eng.scheduler.running
+
+
+def test_host_proposers_overlap_the_steps_that_verify_nothing(kimi):
+    """With an n-gram proposer the steps that verify no draft overlap; a draft the policy
+    wants for a request whose token is still on the GPU waits for it. Tokens equal the plain
+    engine's; both kinds of step happened."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    common = dict(device="cpu", dtype="float32", max_model_len=128, page_size=4)
+    plain = LLM(kimi, overlap_schedule=False, **common)
+    overlap = LLM(kimi, overlap_schedule=True, speculative_config=spec, **common)
+    eng = overlap.engine
+    launched = []
+    inner = eng._launch_copy
+    eng._launch_copy = lambda *a: launched.append(1) or inner(*a)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7], [20, 21, 20, 21, 20], [30, 31, 32, 33]]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    assert _run(overlap, prompts, params) == _run(plain, prompts, params)
+    assert eng.metrics.spec.drafts > 0 and len(launched) > 0, (eng.metrics.spec.drafts, launched)

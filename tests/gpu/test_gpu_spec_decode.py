@@ -2,7 +2,8 @@
 block-FP8 checkpoints in the published 512 + 64 MLA layout: under --deterministic (every
 logit independent of how a sequence is split into steps) the suffix and ngram proposers give
 exactly the tokens and log-probabilities of plain decoding, batched, prompts of mixed lengths,
-each prompt run twice so the suffix cache drafts; by default they run and their drafts are
+each prompt run twice so the suffix cache drafts (as do DeepSeek's MTP layer and tiny EAGLE-3
+heads, MLA and Llama-style); by default they run and their drafts are
 verified in CUDA-graph decode steps (the verify rows are one-token rows), and the tokens
 that differ from plain decoding are counted and printed (the default GPU kernels pick by
 row count, as batching does)."""
@@ -14,7 +15,12 @@ import torch
 
 from moeserve.engine.offline import LLM
 from moeserve.sampling import SamplingParams
-from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
+from moeserve.testing.checkpoints import (
+    EAGLE_LIKES,
+    KERNEL_SHAPE,
+    write_checkpoint,
+    write_eagle3_checkpoint,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -67,6 +73,42 @@ def test_deterministic_mtp_equals_plain(checkpoints, k):
     got, llm = _run(path, {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}, True)
     assert got == want
     assert llm.engine.metrics.spec.drafts > 0
+
+
+@pytest.fixture(scope="module")
+def eagle_heads(checkpoints, tmp_path_factory):
+    """Tiny EAGLE-3 heads for the Kimi-K2.5 NVFP4 checkpoint (its 512 + 64 latent layout:
+    the MLA head runs the Triton MLA kernels, so its draft steps are captured)."""
+    root = tmp_path_factory.mktemp("eagle3")
+    target = checkpoints["kimi-k2.5-nvfp4"]
+    return {
+        like: write_eagle3_checkpoint(str(root / like), like, target, seed=12).path
+        for like in EAGLE_LIKES
+    }
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("like", EAGLE_LIKES)
+def test_deterministic_eagle3_equals_plain(checkpoints, eagle_heads, like, k):
+    """EAGLE-3 heads drafting (the target's aux hidden states written inside its decode
+    graphs; the MLA head's one-token draft steps replayed from graphs of their own, the
+    Llama-style head's GQA attention eager)."""
+    path = checkpoints["kimi-k2.5-nvfp4"]
+    want, _ = _run(path, None, True)
+    spec = {
+        "method": "eagle3",
+        "model": eagle_heads[like],
+        "num_speculative_tokens": k,
+        "adaptive": False,
+    }
+    got, llm = _run(path, spec, True)
+    assert got == want
+    assert llm.engine.metrics.spec.drafts > 0
+    runner = llm.engine.runner
+    assert runner.graphs is not None and sum(runner.graphs.replays.values()) > 0
+    if like.endswith("-mla"):
+        assert runner.draft_graphs is not None, runner.graph_status
+        assert sum(runner.draft_graphs.replays.values()) > 0
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

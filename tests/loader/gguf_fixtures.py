@@ -147,12 +147,51 @@ def load_tokenizer(path, *args, **kwargs):
 
 
 transformers.AutoTokenizer.from_pretrained = load_tokenizer
-for pre, args in json.loads(sys.argv[2]):
+
+
+def keep_nextn():
+    # deepseek2 files from this converter drop the MTP layers; this keeps them the way the
+    # converter's own DeepSeek-V3.2 class does (blocks past num_hidden_layers, gguf-py's
+    # NEXTN tensor names, the nextn_predict_layers key)
+    import gguf
+    from conversion.deepseek import DeepseekV2Model
+
+    arch = gguf.MODEL_ARCH.DEEPSEEK2
+    nextn = [t for t in gguf.MODEL_TENSOR if t.name.startswith("NEXTN_")]
+    gguf.MODEL_TENSORS[arch] = [*gguf.MODEL_TENSORS[arch], *nextn]
+    init, params = DeepseekV2Model.__init__, DeepseekV2Model.set_gguf_parameters
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.block_count += self.hparams.get("num_nextn_predict_layers", 0)
+        self.tensor_map = gguf.get_tensor_name_map(self.model_arch, self.block_count)
+
+    def set_gguf_parameters(self):
+        params(self)
+        self.gguf_writer.add_nextn_predict_layers(self.hparams.get("num_nextn_predict_layers", 0))
+
+    DeepseekV2Model.skip_mtp = False
+    DeepseekV2Model.__init__ = __init__
+    DeepseekV2Model.set_gguf_parameters = set_gguf_parameters
+    tensors = gguf.MODEL_TENSORS[arch][: -len(nextn)]
+
+    def undo():
+        gguf.MODEL_TENSORS[arch] = tensors
+        DeepseekV2Model.skip_mtp = True
+        DeepseekV2Model.__init__, DeepseekV2Model.set_gguf_parameters = init, params
+
+    return undo
+
+
+for pre, args, nextn in json.loads(sys.argv[2]):
+    undo = keep_nextn() if nextn else None
     # the one change to the converter: a tiny test vocabulary has no registered
     # pre-tokenizer hash, so the pre-tokenizer is named
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=pre: pre
     sys.argv = ["convert_hf_to_gguf.py", *args]
     convert.main()
+    if undo:
+        undo()
 """
 
 
@@ -163,6 +202,7 @@ class Job:
     outfile: str
     pre: str = "deepseek-v3"  # tokenizer.ggml.pre to write
     extra: tuple[str, ...] = ()  # more converter arguments
+    nextn: bool = False  # keep the MTP layers as nextn blocks (the converter drops them)
 
 
 def convert(jobs: list[Job], workdir: str) -> None:
@@ -172,7 +212,8 @@ def convert(jobs: list[Job], workdir: str) -> None:
     with open(script, "w") as f:
         f.write(_WRAPPER)
     args = [
-        [j.pre, [j.folder, "--outtype", j.outtype, "--outfile", j.outfile, *j.extra]] for j in jobs
+        [j.pre, [j.folder, "--outtype", j.outtype, "--outfile", j.outfile, *j.extra], j.nextn]
+        for j in jobs
     ]
     proc = subprocess.run(
         [sys.executable, script, str(vendor), json.dumps(args)], capture_output=True, text=True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -115,6 +116,10 @@ def _st_cases(root: Path) -> dict[str, Path]:
 SERVE_FLAGS = ["--port", "0", "--max-model-len", "64", "--num-pages", "8", "--threads", "1"]
 
 
+# a tqdm bar's tail: "n/N [elapsed<left, rate]", the rate in tensor/s or s/tensor
+_PROGRESS = re.compile(r"\d+/\d+ \[[^\]]*(tensor/s|s/tensor)\]\s*$")
+
+
 def _error_lines(err: str) -> list[str]:
     """stderr without the INFO log lines and progress bars a normal start also prints (a
     bar left unfinished by the failure may share the error's line: cut it off)."""
@@ -122,7 +127,7 @@ def _error_lines(err: str) -> list[str]:
     for part in err.replace("\r", "\n").splitlines():
         if "moeserve: " in part:
             part = part[part.index("moeserve: ") :]
-        elif part.startswith("INFO ") or "tensor/s]" in part or not part.strip():
+        elif part.startswith("INFO ") or _PROGRESS.search(part) or not part.strip():
             continue
         out.append(part)
     return out

@@ -487,6 +487,13 @@ BAD_REQUESTS = [
         {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         400,
         "invalid_request_error",
+        "messages.0.content.0.image_url",  # this model takes no images
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+        400,
+        "invalid_request_error",
         "messages",
     ),
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "invalid_request_error", "prompt"),

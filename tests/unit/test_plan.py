@@ -74,8 +74,19 @@ EXPERTS_PER_LAYER_EP = (EXPERTS // TP) * 3 * nvfp4_bytes(I_MOE, H)
 NVFP4_WEIGHTS_TP = MOE_LAYERS * EXPERTS * 3  # routed expert weights per rank without EP
 EMBED_LM_HEAD = 2 * (VOCAB // TP) * H * BF16  # vocab-parallel, both
 NORMS_BUFFERS = LAYERS * 2 * H * BF16 + H * BF16 + 2 * ROPE_TABLE * (ROPE // 2) * FP32
+# the vision tower and projector as published (all BF16), held by rank 0
+VT, VT_MLP, VT_BLOCKS, PATCH, MERGED = 1152, 4304, 27, 14, 4 * 1152
+VISION_BLOCK = 3 * VT * (VT + 1) + (VT + 1) * VT + 2 * VT * VT_MLP + VT_MLP + VT + 4 * VT
+VISION_ENCODER = BF16 * (
+    VT * 3 * PATCH * PATCH + VT  # patch_embed.proj
+    + 64 * 64 * VT  # patch_embed.pos_emb
+    + VT_BLOCKS * VISION_BLOCK
+    + 2 * VT  # final_layernorm
+    + 2 * VT + (MERGED + 1) * MERGED + (MERGED + 1) * H  # pre_norm, proj.0, proj.2
+)  # fmt: skip
 KIMI_TP8_TOTAL = (
-    LAYERS * ATTENTION_PER_LAYER
+    VISION_ENCODER
+    + LAYERS * ATTENTION_PER_LAYER
     + DENSE_MLP
     + MOE_LAYERS * (ROUTER_PER_LAYER + SHARED_PER_LAYER + EXPERTS_PER_LAYER_TP)
     + EMBED_LM_HEAD
@@ -116,6 +127,7 @@ def test_kimi_tp8_weights_per_gpu_by_part(kimi_tp8):
     assert parts["embedding + lm_head"] == EMBED_LM_HEAD
     assert parts["router"] == MOE_LAYERS * ROUTER_PER_LAYER
     assert parts["norms + buffers"] == NORMS_BUFFERS
+    assert parts["vision encoder"] == VISION_ENCODER
     assert close(parts["dense MLP"], DENSE_MLP, 3)
     assert close(parts["shared experts"], MOE_LAYERS * SHARED_PER_LAYER, MOE_LAYERS * 3)
     assert close(parts["routed experts"], MOE_LAYERS * EXPERTS_PER_LAYER_TP, NVFP4_WEIGHTS_TP)

@@ -17,6 +17,7 @@ form), or int8 with per-column fp32 scales. Each packer has a torch reference
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ from moeserve.kernels.cpu.build import Native, load
 TILE = 16  # output columns per tile
 GROUP = 32  # q4: inputs per scale group
 Q4_BIAS = 128  # q4 codes enter the products as the bf16 value 128 + q
+QUAD = 4  # q4: tiles whose blocks alternate group by group
+Q4_CODES = 256  # q4: bytes of codes per (tile, group)
 # attention: query positions per work item (they share the key / value loads)
 ATTENTION_POSITIONS = 16
 
@@ -39,6 +42,7 @@ __all__ = [
     "pack_bf16",
     "pack_i8",
     "pack_q4",
+    "pack_q4h",
     "sigmoid_",
     "silu_mul",
 ]
@@ -47,6 +51,24 @@ __all__ = [
 def native() -> Native | None:
     """The loaded native library, or None (built once per machine; see build.py)."""
     return load()[0]
+
+
+def set_threads(n: int) -> None:
+    """Threads of the native kernels (their own pool, not torch's; default: every core)."""
+    lib = native()
+    if lib is not None:
+        lib.lib.ms_set_threads(n)
+
+
+def pool_stats() -> dict[str, int]:
+    """The native kernels' thread pool since start-up: calls shared with its workers, stalls
+    (a worker put aside by the OS while it held work), calls computed alone after a stall."""
+    lib = native()
+    if lib is None:
+        return {}
+    out = (ctypes.c_int64 * 3)()
+    lib.lib.ms_pool_stats(out)
+    return dict(zip(("shared", "stalls", "alone"), out, strict=True))
 
 
 def native_status() -> str:
@@ -58,12 +80,12 @@ def native_status() -> str:
 class PackedWeight:
     """One linear weight [n, k] in a native layout (see csrc/kernels.c)."""
 
-    fmt: str  # "bf16", "q4" or "i8"
+    fmt: str  # "bf16", "q4", "q4h" or "i8"
     n: int
     k: int
     data: torch.Tensor
-    scale: torch.Tensor | None = None  # q4: d [tiles, groups, 16]; i8: s [tiles * 16]
-    offset: torch.Tensor | None = None  # q4: c [tiles, groups, 16]
+    scale: torch.Tensor | None = None  # i8: s [tiles * 16] (q4, q4h: inside the blocks)
+    offset: torch.Tensor | None = None
 
     @property
     def tiles(self) -> int:
@@ -104,25 +126,46 @@ def pack_i8(q: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
     return PackedWeight("i8", n, k, qp.permute(0, 2, 1).contiguous(), scale=s.contiguous())
 
 
-def pack_q4(codes: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> PackedWeight:
-    """codes [n, k] in 0..15 and per-group d, c [n, k/32] (w = d * (128 + q) + c) -> 64-byte
-    blocks of 4 k-pairs x 16 columns. In a block, byte lane*16 + half*8 + 2*(j%4) + e (lane =
-    j // 4) holds column j's codes for k-pair 4u + half (low nibble) and 4u + 2 + half (high
-    nibble), k parity e: what q4_unpack's byte unpacking turns into VDPBF16PS operands."""
+def _q4_blocks(codes: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """codes [n, k] in 0..15 and two per-group scale tensors [n, k/32] (fp32 or fp16) -> the
+    q4 blocks, [tiles / 4][k / 32][4][codes, scales[0], scales[1]] bytes (csrc/kernels.c). In
+    the codes of a (tile, group), byte u*64 + lane*16 + half*8 + 2*(j%4) + e (lane = j // 4)
+    holds column j's codes for k-pair 4u + half (low nibble) and 4u + 2 + half (high nibble),
+    k parity e: what q4_unpack's byte unpacking turns into VDPBF16PS operands."""
     n, k = codes.shape
     if k % GROUP:
         raise ValueError(f"native q4 weights need input sizes divisible by {GROUP}, got {k}")
-    t, g = -(-n // TILE), k // GROUP
+    t, g = -(-n // (TILE * QUAD)) * QUAD, k // GROUP
     q = _pad_rows(codes.to(torch.uint8), t * TILE)
     # k = g*32 + u*8 + v*2 + e, v = nibble * 2 + half; column j = lane * 4 + jj
     q = q.view(t, 4, 4, g, 4, 2, 2, 2)  # [t, lane, jj, g, u, nibble, half, e]
     byte = q[:, :, :, :, :, 0] | (q[:, :, :, :, :, 1] << 4)  # [t, lane, jj, g, u, half, e]
-    blocks = byte.permute(0, 3, 4, 1, 5, 2, 6).contiguous()  # [t, g, u, lane, half, jj, e]
+    parts = [byte.permute(0, 3, 4, 1, 5, 2, 6).reshape(t, g, Q4_CODES)]  # [t, g, u lane half jj e]
+    for v in scales:
+        per_tile = _pad_rows(v, t * TILE).view(t, TILE, g).transpose(1, 2).contiguous()
+        parts.append(per_tile.view(torch.uint8).view(t, g, -1))
+    blocks = torch.cat(parts, dim=-1)  # [t, g, block]
+    return blocks.view(t // QUAD, QUAD, g, -1).transpose(1, 2).contiguous().view(-1)
 
-    def per_tile(v: torch.Tensor) -> torch.Tensor:
-        return _pad_rows(v.float(), t * TILE).view(t, TILE, g).transpose(1, 2).contiguous()
 
-    return PackedWeight("q4", n, k, blocks.view(-1), scale=per_tile(d), offset=per_tile(c))
+def pack_q4(codes: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> PackedWeight:
+    """codes [n, k] in 0..15 and per-group fp32 d, c [n, k/32] (w = d * (128 + q) + c)."""
+    return PackedWeight("q4", *codes.shape, _q4_blocks(codes, (d.float(), c.float())))
+
+
+def pack_q4h(codes: torch.Tensor, d: torch.Tensor, lo: torch.Tensor) -> PackedWeight:
+    """codes [n, k] in 0..15 and per-group d, lo [n, k/32] that are fp16 values (w = d * q +
+    lo, GGUF Q4_1's form; the kernels compute it as d * (128 + q) + c with c = lo - 128 d in
+    fp32, which is what `pack_q4` gets from the same values)."""
+    d16, lo16 = d.half(), lo.half()
+    if not (torch.equal(d16.float(), d.float()) and torch.equal(lo16.float(), lo.float())):
+        raise ValueError("pack_q4h takes scales and minimums that are fp16 values")
+    return PackedWeight("q4h", *codes.shape, _q4_blocks(codes, (d16, lo16)))
+
+
+def fp16_exact(*tensors: torch.Tensor) -> bool:
+    """Whether every value is an fp16 value (so `pack_q4h` keeps it exactly)."""
+    return all(torch.equal(t.half().float(), t.float()) for t in tensors)
 
 
 # ---- kernels --------------------------------------------------------------------------------
@@ -147,10 +190,10 @@ def linear(
     y = torch.empty(m, w.n, dtype=out_dtype)
     fp32 = int(out_dtype == torch.float32)
     if m:
-        if w.fmt == "q4":
+        if w.fmt in ("q4", "q4h"):
             lib.lib.ms_gemm_q4(
-                x2.data_ptr(), x2.stride(0), m, w.data.data_ptr(), w.scale.data_ptr(),
-                w.offset.data_ptr(), w.k, w.n, y.data_ptr(), w.n, fp32,
+                x2.data_ptr(), x2.stride(0), m, w.data.data_ptr(), int(w.fmt == "q4h"), w.k, w.n,
+                y.data_ptr(), w.n, fp32,
             )  # fmt: skip
         elif w.fmt == "i8":
             lib.lib.ms_gemm_i8(
@@ -260,11 +303,21 @@ def unpack(w: PackedWeight) -> torch.Tensor:
         dense = w.data.view(t, w.k, TILE).permute(0, 2, 1).reshape(t * TILE, w.k).double()
         return (dense * w.scale.double()[:, None])[: w.n]
     g = w.k // GROUP
-    b = w.data.view(t, g, 4, 4, 2, 4, 2)  # [t, g, u, lane, half, jj, e]
+    tq = -(-t // QUAD) * QUAD
+    half = w.fmt == "q4h"
+    blocks = w.data.view(tq // QUAD, g, QUAD, -1).transpose(1, 2).reshape(tq, g, -1)
+    b = blocks[:, :, :Q4_CODES].reshape(tq, g, 4, 4, 2, 4, 2)  # [t, g, u, lane, half, jj, e]
     codes = torch.stack([b & 15, b >> 4], dim=4)  # [t, g, u, lane, nibble, half, jj, e]
-    codes = codes.permute(0, 3, 6, 1, 2, 4, 5, 7).reshape(t * TILE, w.k)  # [n, k]
-    d = w.scale.transpose(1, 2).reshape(t * TILE, g).double().repeat_interleave(GROUP, 1)
-    c = w.offset.transpose(1, 2).reshape(t * TILE, g).double().repeat_interleave(GROUP, 1)
+    codes = codes.permute(0, 3, 6, 1, 2, 4, 5, 7).reshape(tq * TILE, w.k)  # [n, k]
+    sdt = torch.float16 if half else torch.float32
+    d, c = blocks[:, :, Q4_CODES:].contiguous().view(sdt).view(tq, g, 2, TILE).unbind(2)
+
+    def per_column(v: torch.Tensor) -> torch.Tensor:  # [t, g, 16] -> [n, k]
+        return v.double().transpose(1, 2).reshape(tq * TILE, g).repeat_interleave(GROUP, 1)
+
+    d, c = per_column(d), per_column(c)
+    if half:  # c holds the group minimum lo: w = d * q + lo
+        return (d * codes.double() + c)[: w.n]
     return (d * (Q4_BIAS + codes.double()) + c)[: w.n]
 
 

@@ -2,8 +2,8 @@
 
 The source is compiled by the system C compiler for the CPU at hand (-march=native: the
 AVX-512 BF16 build where the CPU has those instructions, portable C elsewhere) into a cache
-folder keyed by the source, the compiler and the CPU, then loaded with ctypes. OpenMP comes
-from the libgomp that torch already loaded (same soname), so torch.set_num_threads applies.
+folder keyed by the source, the compiler and the CPU, then loaded with ctypes. Threads are the
+library's own (a pthreads pool, see csrc/kernels.c), every core until `set_threads` says.
 
 Without a compiler, or when the build fails, `load()` says why in one line and the callers
 keep torch's kernels.
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
 FLAGS = (
     "-O3",
-    "-fopenmp",
+    "-pthread",
     "-shared",
     "-fPIC",
     # every multiply-add is written as one where it is meant: no contraction behind the
@@ -41,8 +41,10 @@ BUILD_TIMEOUT_S = 120
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "ms_simd": ([], I32),
+    "ms_set_threads": ([I32], None),
+    "ms_pool_stats": ([P], None),
     "ms_gemm_bf16": ([P, I64, I64, P, I64, I64, P, I64, I32], None),
-    "ms_gemm_q4": ([P, I64, I64, P, P, P, I64, I64, P, I64, I32], None),
+    "ms_gemm_q4": ([P, I64, I64, P, I32, I64, I64, P, I64, I32], None),
     "ms_gemm_i8": ([P, I64, I64, P, P, I64, I64, P, I64, I32], None),
     "ms_silu_mul": ([P, I64, P, I64, I64, I64, P, I64], None),
     "ms_sigmoid": ([P, I64], None),
@@ -51,6 +53,8 @@ SIGNATURES = {
         + [P, I64, I64, I32],
         I32,
     ),
+    "ms_decoder_layer": ([P, P, P, P, I32], I32),
+    "ms_add_rmsnorm": ([P, P, P, F32, I64, I64, P], None),
 }
 
 
@@ -114,6 +118,7 @@ def open_library(path: Path) -> Native:
     for name, (args, res) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
+    lib.ms_set_threads(os.cpu_count() or 1)  # until the engine sets its share
     return Native(lib, bool(lib.ms_simd()), str(path))
 
 

@@ -184,7 +184,10 @@ class MLAAttention(nn.Module):
         quant: QuantConfig | None = None,
         tp: TPGroup = SINGLE,
         dtype: torch.dtype = torch.float32,
+        input_size: int | None = None,
     ) -> None:
+        """`input_size`: the width of the projections' input (default: the hidden size; an
+        EAGLE-3 draft layer reads [embedding | hidden], twice as wide)."""
         super().__init__()
         self.num_heads = tp.shard(cfg.num_attention_heads)
         self.nope = cfg.qk_nope_head_dim
@@ -195,27 +198,28 @@ class MLAAttention(nn.Module):
         self.scale = mla_softmax_scale(cfg)
         self.rotary = [rotary]  # shared by all layers; a list keeps it out of state_dict
         heads, h = cfg.num_attention_heads, cfg.hidden_size
+        h_in = input_size or h
         kw = dict(quant=quant, tp=tp, dtype=dtype)
         bias = cfg.attention_bias
         a_sizes = [self.q_lora, self.kv_lora + self.rope]
         a_prefixes = [f"{prefix}.q_a_proj", f"{prefix}.kv_a_proj_with_mqa"]
         self.fused_qkv_a_proj: MergedReplicatedLinear | None = None
-        if self.q_lora and mergeable(quant, a_prefixes, a_sizes, h):
+        if self.q_lora and mergeable(quant, a_prefixes, a_sizes, h_in):
             # method chosen by q_a's name (mergeable checked that kv_a's is the same)
             self.fused_qkv_a_proj = MergedReplicatedLinear(
-                h, a_sizes, bias=bias, prefix=a_prefixes[0], **kw
+                h_in, a_sizes, bias=bias, prefix=a_prefixes[0], **kw
             )
         else:
             if self.q_lora:
                 self.q_a_proj = ReplicatedLinear(
-                    h, self.q_lora, bias=bias, prefix=a_prefixes[0], **kw
+                    h_in, self.q_lora, bias=bias, prefix=a_prefixes[0], **kw
                 )
             else:
                 self.q_proj = ColumnParallelLinear(
-                    h, heads * cfg.qk_head_dim, prefix=f"{prefix}.q_proj", **kw
+                    h_in, heads * cfg.qk_head_dim, prefix=f"{prefix}.q_proj", **kw
                 )
             self.kv_a_proj_with_mqa = ReplicatedLinear(
-                h, a_sizes[1], bias=bias, prefix=a_prefixes[1], **kw
+                h_in, a_sizes[1], bias=bias, prefix=a_prefixes[1], **kw
             )
         if self.q_lora:
             self.q_a_layernorm = RMSNorm(self.q_lora, cfg.rms_norm_eps, dtype)

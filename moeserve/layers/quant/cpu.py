@@ -142,6 +142,9 @@ class Int4WeightOnlyMethod(_StagedMethod):
         q = torch.round((g - lo) / scale).clamp(0, INT4_MAX).to(torch.int32).view(n, k)
         del layer.weight
         if self._use_native(layer):
+            if cpu_kernels.fp16_exact(scale, lo):  # GGUF Q4_1's own fp16 scale and minimum
+                layer.native_weight = cpu_kernels.pack_q4h(q, scale.squeeze(-1), lo.squeeze(-1))
+                return
             # w = scale * q + lo = d * (128 + q) + c
             c = lo - cpu_kernels.Q4_BIAS * scale
             layer.native_weight = cpu_kernels.pack_q4(q, scale.squeeze(-1), c.squeeze(-1))

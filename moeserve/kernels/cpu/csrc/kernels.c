@@ -12,22 +12,29 @@
  * they need not agree with each other.
  *
  * Conventions: bf16 values travel as uint16_t; every length is in elements; threads come
- * from OpenMP (the process's libgomp, which torch shares, so torch.set_num_threads applies).
+ * from this file's pool (see "threads" below; the count is set by ms_set_threads, not torch).
  *
  * Weight layouts (packed once at load by moeserve/kernels/cpu/pack.py), all in tiles of 16
  * output columns, columns padded to whole tiles:
  *   bf16  [tile][K/2][16][2]        pairs of k per column (what VDPBF16PS reads)
- *   q4    [tile][K/32][4][64 bytes] one 64-byte block = 4 k-pairs x 16 columns of 4-bit codes
- *                                   (order: see q4_unpack); per [tile][group][16] fp32 scales
- *                                   d and offsets c, so that w = d * (128 + q) + c
+ *   q4    [tile / 4][K/32][tile % 4] blocks of 384 bytes: the codes (4 x 64 bytes, each 4
+ *         k-pairs x 16 columns of 4-bit codes, order: see q4_unpack), then 16 fp32 scales d
+ *         and 16 fp32 offsets c, so that w = d * (128 + q) + c
+ *   q4h   the same in blocks of 320 bytes: the codes, then d and lo as fp16, c = lo - 128 d
+ *         (GGUF Q4_1's own scale and minimum, when they are fp16 values)
+ *         The blocks of four consecutive tiles alternate group by group, so a one-row GEMM
+ *         reads each item's weights as one stream.
  *   i8    [tile][K][16] int8        per-column fp32 scales s: w = s * q
  */
 
 #include <math.h>
-#include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -41,6 +48,13 @@
 #define ROWS 8      /* rows per GEMM work item */
 #define KEYS 32     /* attention: keys per block, aligned to absolute key positions */
 #define Q4_BIAS 128 /* q4 codes enter the dot products as the bf16 value 128 + q */
+#define QUAD 4      /* q4: tiles whose blocks alternate */
+#define Q4_CODES 256
+#define Q4_BLOCK 384  /* codes, d and c in fp32 */
+#define Q4H_BLOCK 320 /* codes, d and lo in fp16 */
+#ifndef Q4_PREFETCH
+#define Q4_PREFETCH 0 /* groups ahead that a q4 GEMM asks the caches for (0: none) */
+#endif
 
 int ms_simd(void) { return MS_SIMD; }
 
@@ -49,6 +63,15 @@ static inline float bf16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &u, 4);
     return f;
+}
+
+/* IEEE half -> float, exactly */
+static inline float f16_to_f32(uint16_t h) {
+    float sign = (h & 0x8000u) ? -1.0f : 1.0f;
+    int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0) return sign * ldexpf((float)m, -24);
+    if (e == 31) return m ? NAN : sign * INFINITY;
+    return sign * ldexpf((float)(m | 0x400), e - 25);
 }
 
 static inline uint16_t f32_to_bf16(float f) {
@@ -142,6 +165,218 @@ static inline void transpose16(__m512i r[16]) {
 
 static inline int64_t tiles_of(int64_t n) { return (n + TILE - 1) / TILE; }
 
+/* ---- threads ---------------------------------------------------------------------------------
+ * A call's work is split into chunks, each computed whole by whichever thread claims it (which
+ * thread never changes a result: every chunk computes its own outputs in its own fixed
+ * order). The calling thread claims chunks itself and returns once every chunk is done; the
+ * pool's workers join in when they are running. Nothing waits for a worker that has not
+ * claimed anything, so a worker that the OS has put aside (other processes, an event loop
+ * sharing the cores) delays a call by at most the one chunk it holds: a barrier of a fixed
+ * team (OpenMP's) would wait for it at every parallel loop, and a decode step runs hundreds.
+ *
+ * The claim counter packs the job's generation, its chunk count and the next chunk into one
+ * word, so a worker can never claim a chunk of a job other than the one it read. Workers spin
+ * for WORKER_SPIN_NS after their last job (the next one usually follows within microseconds),
+ * then sleep until woken. One caller uses the pool at a time; another one that finds it busy
+ * computes its call alone. */
+#define MAX_THREADS 64
+#define WORKER_SPIN_NS 200000
+#define WAIT_SPIN_NS 20000
+#define STALL_MIN_NS 200000
+#define STALL_CHUNKS 8
+#define MIN_BACKOFF_NS 2000000
+#define MAX_BACKOFF_NS 128000000
+#define IDX_BITS 20
+#define IDX_MASK ((1ull << IDX_BITS) - 1)
+#define GEN_SHIFT (2 * IDX_BITS)
+#define GUIDED_SHARE 2 /* a chunk is at most 1 / (this * threads) of the units left */
+
+typedef void (*chunk_fn)(void* arg, int64_t chunk, int worker);
+
+static struct {
+    pthread_mutex_t owner; /* held by the calling thread that uses the pool */
+    pthread_mutex_t lock;  /* guards sleeping workers */
+    pthread_cond_t wake;
+    /* generation << GEN_SHIFT | units << IDX_BITS | next unit */
+    _Alignas(64) _Atomic uint64_t claim;
+    _Alignas(64) _Atomic int64_t done; /* units finished in the current generation */
+    _Alignas(64) _Atomic(chunk_fn) fn;
+    _Atomic(void*) arg;
+    _Atomic int64_t items, per; /* the job's items, and how many consecutive ones a unit is */
+    _Atomic int joiners;        /* workers 1 .. joiners take part in the current job */
+    _Atomic int threads;        /* the job's threads (the caller and its workers) */
+    _Atomic int sleepers;
+    int workers;        /* worker threads started */
+    int64_t solo_until; /* the caller computes alone until then (after a stall) */
+    int64_t backoff;    /* how long the next stall makes it do so */
+    int64_t stats[3];   /* calls shared with workers, stalls, calls computed alone after one */
+} POOL = {.owner = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
+          .wake = PTHREAD_COND_INITIALIZER, .backoff = MIN_BACKOFF_NS};
+
+/* out[3]: calls shared with workers, stalls, calls computed alone after a stall (counts since
+ * the library loaded; for benchmarks) */
+void ms_pool_stats(int64_t* out) { memcpy(out, POOL.stats, sizeof(POOL.stats)); }
+
+static _Atomic int THREADS = 1;
+
+void ms_set_threads(int n) { atomic_store(&THREADS, n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n); }
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* claim and run chunks of the job of generation `gen` until none is left; how many it ran.
+ * A chunk is a run of units, a share of what is left (guided scheduling): few claims while
+ * much is left, single units at the end so that the threads finish together. */
+static int64_t work_on(uint64_t gen, int worker) {
+    chunk_fn fn = atomic_load(&POOL.fn);
+    void* arg = atomic_load(&POOL.arg);
+    int64_t items = atomic_load(&POOL.items), per = atomic_load(&POOL.per);
+    uint64_t share = (uint64_t)GUIDED_SHARE * (uint64_t)atomic_load(&POOL.threads);
+    uint64_t v = atomic_load(&POOL.claim);
+    int64_t ran = 0;
+    for (;;) {
+        uint64_t units = (v >> IDX_BITS) & IDX_MASK, next = v & IDX_MASK;
+        if ((v >> GEN_SHIFT) != gen || next >= units) return ran;
+        uint64_t take = (units - next) / share;
+        if (take < 1) take = 1;
+        if (!atomic_compare_exchange_weak(&POOL.claim, &v, v + take)) continue;
+        int64_t end = (int64_t)(next + take) * per < items ? (int64_t)(next + take) * per : items;
+        for (int64_t i = (int64_t)next * per; i < end; i++) fn(arg, i, worker);
+        atomic_fetch_add(&POOL.done, (int64_t)take);
+        ran++;
+        v = atomic_load(&POOL.claim);
+    }
+}
+
+static void* worker_main(void* p) {
+    int id = (int)(intptr_t)p;
+    uint64_t seen = atomic_load(&POOL.claim) >> GEN_SHIFT;
+    for (;;) {
+        uint64_t gen = atomic_load(&POOL.claim) >> GEN_SHIFT;
+        if (gen != seen) {
+            seen = gen;
+            if (id <= atomic_load(&POOL.joiners)) work_on(gen, id);
+            continue;
+        }
+        int64_t until = now_ns() + WORKER_SPIN_NS;
+        while (atomic_load(&POOL.claim) >> GEN_SHIFT == seen && now_ns() < until)
+            for (int i = 0; i < 64; i++) cpu_relax();
+        if (atomic_load(&POOL.claim) >> GEN_SHIFT != seen) continue;
+        pthread_mutex_lock(&POOL.lock);
+        atomic_fetch_add(&POOL.sleepers, 1);
+        while (atomic_load(&POOL.claim) >> GEN_SHIFT == seen) pthread_cond_wait(&POOL.wake, &POOL.lock);
+        atomic_fetch_sub(&POOL.sleepers, 1);
+        pthread_mutex_unlock(&POOL.lock);
+    }
+    return NULL;
+}
+
+/* a forked child has none of the parent's workers: it starts its own */
+static void pool_after_fork(void) {
+    POOL.workers = 0;
+    atomic_store(&POOL.sleepers, 0);
+    pthread_mutex_init(&POOL.owner, NULL);
+    pthread_mutex_init(&POOL.lock, NULL);
+    pthread_cond_init(&POOL.wake, NULL);
+}
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+/* workers 1 .. want exist (the caller holds POOL.owner); fewer where threads cannot start */
+static void start_workers(int want) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_fork_handler);
+    while (POOL.workers < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&t, &attr, worker_main, (void*)(intptr_t)(POOL.workers + 1));
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        POOL.workers++;
+    }
+}
+
+/* the calling thread waits for chunks that workers hold: spinning, then yielding its core (a
+ * worker the OS put aside may be waiting for it) */
+static void wait_done(int64_t n) {
+    int64_t yield_at = now_ns() + WAIT_SPIN_NS;
+    while (atomic_load(&POOL.done) < n) {
+        if (now_ns() < yield_at)
+            for (int i = 0; i < 16; i++) cpu_relax();
+        else
+            sched_yield();
+    }
+}
+
+/* fn(arg, i, worker) for every item i < n, spread over the pool in chunks of consecutive
+ * items (see work_on); worker < the thread count (0: the calling thread) names per-thread
+ * scratch.
+ *
+ * When the cores are oversubscribed a worker is sometimes put aside while it holds a chunk,
+ * and the caller waits for it: a stall (a wait of more than STALL_CHUNKS of the caller's own
+ * chunks and STALL_MIN_NS). After a stall the caller computes its calls alone for `backoff`
+ * nanoseconds, then tries its workers again; each further stall doubles the backoff (up to
+ * MAX_BACKOFF_NS), and a call without one sets it back to MIN_BACKOFF_NS. */
+static void pool_run(chunk_fn fn, void* arg, int64_t n) {
+    int threads = atomic_load(&THREADS);
+    if (n <= 0) return;
+    if (n == 1 || threads == 1 || pthread_mutex_trylock(&POOL.owner)) {
+        for (int64_t c = 0; c < n; c++) fn(arg, c, 0);
+        return;
+    }
+    if (POOL.solo_until && now_ns() < POOL.solo_until) {
+        POOL.stats[2]++;
+        for (int64_t c = 0; c < n; c++) fn(arg, c, 0);
+        pthread_mutex_unlock(&POOL.owner);
+        return;
+    }
+    start_workers(threads - 1);
+    int64_t per = (n + (int64_t)IDX_MASK - 1) / (int64_t)IDX_MASK; /* units fit the counter */
+    int64_t chunks = (n + per - 1) / per;                           /* (units) */
+    atomic_store(&POOL.fn, fn);
+    atomic_store(&POOL.arg, arg);
+    atomic_store(&POOL.items, n);
+    atomic_store(&POOL.per, per);
+    atomic_store(&POOL.threads, threads);
+    atomic_store(&POOL.done, 0);
+    atomic_store(&POOL.joiners, threads - 1);
+    uint64_t gen = (atomic_load(&POOL.claim) >> GEN_SHIFT) + 1;
+    gen &= (1ull << (64 - GEN_SHIFT)) - 1;
+    atomic_store(&POOL.claim, gen << GEN_SHIFT | (uint64_t)chunks << IDX_BITS);
+    if (atomic_load(&POOL.sleepers)) {
+        pthread_mutex_lock(&POOL.lock);
+        pthread_cond_broadcast(&POOL.wake);
+        pthread_mutex_unlock(&POOL.lock);
+    }
+    int64_t t0 = now_ns();
+    int64_t own = work_on(gen, 0);
+    int64_t t1 = now_ns();
+    wait_done(chunks);
+    int64_t waited = now_ns() - t1;
+    int64_t per_chunk = own ? (t1 - t0) / own : 0;
+    POOL.stats[0]++;
+    if (waited > STALL_MIN_NS && waited > STALL_CHUNKS * per_chunk) {
+        POOL.stats[1]++;
+        POOL.solo_until = now_ns() + POOL.backoff;
+        POOL.backoff = POOL.backoff * 2 > MAX_BACKOFF_NS ? MAX_BACKOFF_NS : POOL.backoff * 2;
+    } else {
+        POOL.solo_until = 0;
+        POOL.backoff = MIN_BACKOFF_NS;
+    }
+    pthread_mutex_unlock(&POOL.owner);
+}
+
 /* ---- row sums for the q4 offsets: X[m][g] = sum of x over group g, in order ---------------- */
 static void group_sums(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, float* out) {
     int64_t G = K / GROUP;
@@ -151,6 +386,11 @@ static void group_sums(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, flo
             for (int k = 0; k < GROUP; k++) s += bf16_to_f32(x[m * ldx + g * GROUP + k]);
             out[m * G + g] = s;
         }
+}
+
+/* the block of tile t, group g of a q4 / q4h weight (blocks of `blk` bytes) */
+static inline const uint8_t* q4_at(const uint8_t* w, int64_t G, int64_t t, int64_t g, int blk) {
+    return w + (((t / QUAD) * G + g) * QUAD + t % QUAD) * blk;
 }
 
 /* ---- GEMM drivers -------------------------------------------------------------------------
@@ -169,18 +409,25 @@ static inline void q4_unpack(const uint8_t* src, __m512i v[4]) {
     v[3] = _mm512_unpackhi_epi8(up, hi);
 }
 
-/* R rows x C consecutive tiles of a q4 weight; acc[r * C + c] */
+/* R rows x C consecutive tiles of a q4 (half: q4h) weight; acc[r * C + c] */
 static inline __attribute__((always_inline)) void q4_block(
-    int R, int C, const uint16_t* x, int64_t ldx, const float* xs, int64_t G, const uint8_t* w,
-    const float* d, const float* c0, int64_t t0, __m512* acc) {
+    int R, int C, int half, const uint16_t* x, int64_t ldx, const float* xs, int64_t G,
+    const uint8_t* w, int64_t t0, __m512* acc) {
+    int blk = half ? Q4H_BLOCK : Q4_BLOCK;
     for (int i = 0; i < R * C; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512 s[32];
         for (int i = 0; i < R * C; i++) s[i] = _mm512_setzero_ps();
+#if Q4_PREFETCH > 0
+        if (g + Q4_PREFETCH < G)
+            for (int c = 0; c < C; c++) {
+                const char* ahead = (const char*)q4_at(w, G, t0 + c, g + Q4_PREFETCH, blk);
+                for (int l = 0; l < blk; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+            }
+#endif
         for (int u = 0; u < 4; u++) {
             __m512i v[4][4];
-            for (int c = 0; c < C; c++)
-                q4_unpack(w + ((t0 + c) * G + g) * 256 + u * 64, v[c]);
+            for (int c = 0; c < C; c++) q4_unpack(q4_at(w, G, t0 + c, g, blk) + u * 64, v[c]);
             for (int e = 0; e < 4; e++) {
                 int64_t kp = g * 16 + u * 4 + e;
                 for (int r = 0; r < R; r++)
@@ -189,8 +436,17 @@ static inline __attribute__((always_inline)) void q4_block(
             }
         }
         for (int c = 0; c < C; c++) {
-            __m512 dv = _mm512_loadu_ps(d + ((t0 + c) * G + g) * TILE);
-            __m512 cv = _mm512_loadu_ps(c0 + ((t0 + c) * G + g) * TILE);
+            const uint8_t* b = q4_at(w, G, t0 + c, g, blk) + Q4_CODES;
+            __m512 dv, cv;
+            if (half) {
+                dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b));
+                __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + 32)));
+                /* 128 d is exact: the same one rounding as c = lo - 128 d in fp32 at load */
+                cv = _mm512_sub_ps(lo, _mm512_mul_ps(_mm512_set1_ps((float)Q4_BIAS), dv));
+            } else {
+                dv = _mm512_loadu_ps((const float*)b);
+                cv = _mm512_loadu_ps((const float*)(b + 64));
+            }
             for (int r = 0; r < R; r++) {
                 __m512* a = &acc[r * C + c];
                 *a = _mm512_fmadd_ps(dv, s[r * C + c], *a);
@@ -234,13 +490,13 @@ static inline __attribute__((always_inline)) void i8_block(
 }
 #endif
 
-enum { FMT_BF16 = 0, FMT_Q4 = 1, FMT_I8 = 2 };
+enum { FMT_BF16 = 0, FMT_Q4 = 1, FMT_I8 = 2, FMT_Q4H = 3 };
 
 typedef struct {
     int fmt;
     const void* w;
-    const float* a; /* q4: d; i8: s */
-    const float* b; /* q4: c */
+    const float* a; /* i8: s */
+    const float* b;
     int64_t K, N;
 } weight_t;
 
@@ -251,7 +507,9 @@ static inline __attribute__((always_inline)) void run_block(
     __m512 acc[32];
     int64_t K = W->K;
     if (W->fmt == FMT_Q4)
-        q4_block(R, C, x, ldx, xs, K / GROUP, (const uint8_t*)W->w, W->a, W->b, t0, acc);
+        q4_block(R, C, 0, x, ldx, xs, K / GROUP, (const uint8_t*)W->w, t0, acc);
+    else if (W->fmt == FMT_Q4H)
+        q4_block(R, C, 1, x, ldx, xs, K / GROUP, (const uint8_t*)W->w, t0, acc);
     else if (W->fmt == FMT_BF16)
         bf16_block(R, C, x, ldx, K / 2, (const uint16_t*)W->w, t0, acc);
     else
@@ -305,25 +563,88 @@ static float generic_dot(const weight_t* W, const uint16_t* x, const float* xs, 
         return acc * W->a[t * TILE + j];
     }
     int64_t G = K / GROUP;
-    const uint8_t* w = (const uint8_t*)W->w + t * G * 256;
+    int half = W->fmt == FMT_Q4H, blk = half ? Q4H_BLOCK : Q4_BLOCK;
     float acc = 0.0f;
     /* column j, k-parity e within vector s of a 64-byte block: see q4_unpack */
     int lane = j / 4, pos = 2 * (j % 4);
     for (int64_t g = 0; g < G; g++) {
+        const uint8_t* b = q4_at((const uint8_t*)W->w, G, t, g, blk);
         float s = 0.0f;
         for (int u = 0; u < 4; u++)
             for (int v = 0; v < 4; v++) {
-                const uint8_t* blk = w + g * 256 + u * 64 + lane * 16 + (v & 1) * 8 + pos;
+                const uint8_t* q8 = b + u * 64 + lane * 16 + (v & 1) * 8 + pos;
                 int64_t kp = g * 16 + u * 4 + v;
                 for (int e = 1; e >= 0; e--) {
-                    int q = (v < 2) ? (blk[e] & 15) : (blk[e] >> 4);
+                    int q = (v < 2) ? (q8[e] & 15) : (q8[e] >> 4);
                     s = fmaf(bf16_to_f32(x[2 * kp + e]), (float)(Q4_BIAS + q), s);
                 }
             }
-        acc = fmaf(W->a[(t * G + g) * TILE + j], s, acc);
-        acc = fmaf(W->b[(t * G + g) * TILE + j], xs[g], acc);
+        float d, c;
+        if (half) {
+            uint16_t h[2];
+            memcpy(&h[0], b + Q4_CODES + 2 * j, 2);
+            memcpy(&h[1], b + Q4_CODES + 32 + 2 * j, 2);
+            d = f16_to_f32(h[0]);
+            c = f16_to_f32(h[1]) - (float)Q4_BIAS * d;
+        } else {
+            memcpy(&d, b + Q4_CODES + 4 * j, 4);
+            memcpy(&c, b + Q4_CODES + 64 + 4 * j, 4);
+        }
+        acc = fmaf(d, s, acc);
+        acc = fmaf(c, xs[g], acc);
     }
     return acc;
+}
+#endif
+
+typedef struct {
+    const weight_t* W;
+    const uint16_t* x;
+    int64_t ldx, M;
+    void* y;
+    int64_t ldy;
+    int fp32;
+    const float* xs; /* q4: group sums of x */
+    int64_t T, G;    /* column tiles, q4 groups */
+} gemm_job_t;
+
+#if MS_SIMD
+/* one row: four tiles per chunk (four independent chains in flight) */
+static void gemm_row_chunk(void* p, int64_t it, int worker) {
+    const gemm_job_t* J = (const gemm_job_t*)p;
+    (void)worker;
+    int64_t t0 = it * 4;
+    if (t0 + 4 <= J->T)
+        simd_item(J->W, J->x, J->ldx, J->xs, 1, t0, 4, J->y, J->ldy, J->fp32);
+    else
+        for (int64_t t = t0; t < J->T; t++)
+            simd_item(J->W, J->x, J->ldx, J->xs, 1, t, 1, J->y, J->ldy, J->fp32);
+}
+
+/* chunk = (block of ROWS rows, column tile) */
+static void gemm_block_chunk(void* p, int64_t c, int worker) {
+    const gemm_job_t* J = (const gemm_job_t*)p;
+    (void)worker;
+    int64_t b = c / J->T, t = c % J->T, m0 = b * ROWS;
+    int R = (int)(J->M - m0 < ROWS ? J->M - m0 : ROWS);
+    char* yrow = (char*)J->y + m0 * J->ldy * (J->fp32 ? 4 : 2);
+    simd_item(J->W, J->x + m0 * J->ldx, J->ldx, J->xs ? J->xs + m0 * J->G : NULL, R, t, 1, yrow,
+              J->ldy, J->fp32);
+}
+#else
+/* chunk = (row, column tile) */
+static void gemm_generic_chunk(void* p, int64_t c, int worker) {
+    const gemm_job_t* J = (const gemm_job_t*)p;
+    (void)worker;
+    int64_t m = c / J->T, n0 = (c % J->T) * TILE;
+    int64_t n1 = n0 + TILE < J->W->N ? n0 + TILE : J->W->N;
+    for (int64_t n = n0; n < n1; n++) {
+        float v = generic_dot(J->W, J->x + m * J->ldx, J->xs ? J->xs + m * J->G : NULL, n);
+        if (J->fp32)
+            ((float*)J->y)[m * J->ldy + n] = v;
+        else
+            ((uint16_t*)J->y)[m * J->ldy + n] = f32_to_bf16(v);
+    }
 }
 #endif
 
@@ -331,46 +652,18 @@ static float generic_dot(const weight_t* W, const uint16_t* x, const float* xs, 
 static void gemm(const weight_t* W, const uint16_t* x, int64_t ldx, int64_t M, void* y,
                  int64_t ldy, int y_fp32) {
     float* xs = NULL;
-    if (W->fmt == FMT_Q4) {
+    if (W->fmt == FMT_Q4 || W->fmt == FMT_Q4H) {
         xs = (float*)malloc(sizeof(float) * (size_t)(M * (W->K / GROUP) + 1));
         group_sums(x, ldx, M, W->K, xs);
     }
-    int64_t G = W->K / GROUP;
+    gemm_job_t J = {W, x, ldx, M, y, ldy, y_fp32, xs, tiles_of(W->N), W->K / GROUP};
 #if MS_SIMD
-    int64_t T = tiles_of(W->N);
-    if (M == 1) {
-        /* one row: four tiles per item (four independent chains in flight) */
-        int64_t items = (T + 3) / 4;
-#pragma omp parallel for schedule(static)
-        for (int64_t it = 0; it < items; it++) {
-            int64_t t0 = it * 4;
-            if (t0 + 4 <= T)
-                simd_item(W, x, ldx, xs, 1, t0, 4, y, ldy, y_fp32);
-            else
-                for (int64_t t = t0; t < T; t++) simd_item(W, x, ldx, xs, 1, t, 1, y, ldy, y_fp32);
-        }
-    } else {
-        int64_t blocks = (M + ROWS - 1) / ROWS;
-#pragma omp parallel for schedule(static) collapse(2)
-        for (int64_t b = 0; b < blocks; b++)
-            for (int64_t t = 0; t < T; t++) {
-                int64_t m0 = b * ROWS;
-                int R = (int)(M - m0 < ROWS ? M - m0 : ROWS);
-                char* yrow = (char*)y + m0 * ldy * (y_fp32 ? 4 : 2);
-                simd_item(W, x + m0 * ldx, ldx, xs ? xs + m0 * G : NULL, R, t, 1, yrow, ldy,
-                          y_fp32);
-            }
-    }
+    if (M == 1)
+        pool_run(gemm_row_chunk, &J, (J.T + 3) / 4);
+    else
+        pool_run(gemm_block_chunk, &J, (M + ROWS - 1) / ROWS * J.T);
 #else
-#pragma omp parallel for schedule(static) collapse(2)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = 0; n < W->N; n++) {
-            float v = generic_dot(W, x + m * ldx, xs ? xs + m * G : NULL, n);
-            if (y_fp32)
-                ((float*)y)[m * ldy + n] = v;
-            else
-                ((uint16_t*)y)[m * ldy + n] = f32_to_bf16(v);
-        }
+    pool_run(gemm_generic_chunk, &J, M * J.T);
 #endif
     free(xs);
 }
@@ -381,9 +674,9 @@ void ms_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, 
     gemm(&W, x, ldx, M, y, ldy, y_fp32);
 }
 
-void ms_gemm_q4(const uint16_t* x, int64_t ldx, int64_t M, const uint8_t* w, const float* d,
-                const float* c, int64_t K, int64_t N, void* y, int64_t ldy, int y_fp32) {
-    weight_t W = {FMT_Q4, w, d, c, K, N};
+void ms_gemm_q4(const uint16_t* x, int64_t ldx, int64_t M, const uint8_t* w, int half, int64_t K,
+                int64_t N, void* y, int64_t ldy, int y_fp32) {
+    weight_t W = {half ? FMT_Q4H : FMT_Q4, w, NULL, NULL, K, N};
     gemm(&W, x, ldx, M, y, ldy, y_fp32);
 }
 
@@ -395,33 +688,57 @@ void ms_gemm_i8(const uint16_t* x, int64_t ldx, int64_t M, const int8_t* w, cons
 
 /* ---- elementwise ----------------------------------------------------------------------- */
 
+typedef struct {
+    const uint16_t* g0;
+    int64_t ldg;
+    const uint16_t* u0;
+    int64_t ldu, I;
+    uint16_t* out;
+    int64_t ldo;
+} silu_job_t;
+
+static void silu_row(void* p, int64_t m, int worker) {
+    const silu_job_t* J = (const silu_job_t*)p;
+    (void)worker;
+    int64_t I = J->I;
+    const uint16_t* g = J->g0 + m * J->ldg;
+    const uint16_t* u = J->u0 + m * J->ldu;
+    uint16_t* o = J->out + m * J->ldo;
+#if MS_SIMD
+    for (int64_t i = 0; i < I; i += 16) {
+        __mmask16 k = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
+        __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, g + i)), 16));
+        __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, u + i)), 16));
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm256_mask_storeu_epi16(o + i, k, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sv, uv)));
+    }
+#else
+    for (int64_t i = 0; i < I; i++) {
+        float gv = bf16_to_f32(g[i]);
+        float sv = gv / (1.0f + exp_scalar(-gv));
+        o[i] = f32_to_bf16(sv * bf16_to_f32(u[i]));
+    }
+#endif
+}
+
+/* rows of a step: on the calling thread below ROWS_PARALLEL, over the pool from there on */
+#define ROWS_PARALLEL 16
+
+static void rows_run(chunk_fn fn, void* arg, int64_t M) {
+    if (M >= ROWS_PARALLEL)
+        pool_run(fn, arg, M);
+    else
+        for (int64_t m = 0; m < M; m++) fn(arg, m, 0);
+}
+
 /* out[m, i] = silu(g[m, i]) * u[m, i], bf16 in and out, fp32 inside (rounded once) */
 void ms_silu_mul(const uint16_t* g0, int64_t ldg, const uint16_t* u0, int64_t ldu, int64_t M,
                  int64_t I, uint16_t* out, int64_t ldo) {
-#pragma omp parallel for schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t* g = g0 + m * ldg;
-        const uint16_t* u = u0 + m * ldu;
-        uint16_t* o = out + m * ldo;
-#if MS_SIMD
-        for (int64_t i = 0; i < I; i += 16) {
-            __mmask16 k = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
-            __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, g + i)), 16));
-            __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, u + i)), 16));
-            __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-            _mm256_mask_storeu_epi16(o + i, k, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sv, uv)));
-        }
-#else
-        for (int64_t i = 0; i < I; i++) {
-            float gv = bf16_to_f32(g[i]);
-            float sv = gv / (1.0f + exp_scalar(-gv));
-            o[i] = f32_to_bf16(sv * bf16_to_f32(u[i]));
-        }
-#endif
-    }
+    silu_job_t J = {g0, ldg, u0, ldu, I, out, ldo};
+    rows_run(silu_row, &J, M);
 }
 
 /* x[i] = 1 / (1 + exp(-x[i])), fp32 in place */
@@ -741,6 +1058,53 @@ static void attn_item(const attn_t* A, attn_scratch_t* S, int64_t b, int g, int6
     }
 }
 
+static void scratch_alloc(attn_scratch_t* S, const attn_t* A, int rows) {
+    int Dqk = A->Dqk, Dv = A->Dv;
+    S->kt = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)((Dqk / 2) * KEYS));
+    S->vf = (float*)malloc(sizeof(float) * (size_t)(KEYS * Dv));
+    S->vp = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(KEYS / 2 * Dv));
+    S->pb = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)rows * KEYS);
+    S->o = (float*)malloc(sizeof(float) * (size_t)rows * (size_t)Dv);
+    S->ml = (float*)malloc(sizeof(float) * (size_t)rows * 2);
+    S->lv = (float*)malloc(sizeof(float) * (size_t)rows * 16);
+    S->p = (float*)malloc(sizeof(float) * (size_t)rows * KEYS);
+    S->alpha = (float*)malloc(sizeof(float) * (size_t)rows);
+    S->nk = (int*)malloc(sizeof(int) * (size_t)rows);
+}
+
+static void scratch_free(attn_scratch_t* S) {
+    free(S->kt);
+    free(S->vf);
+    free(S->vp);
+    free(S->pb);
+    free(S->o);
+    free(S->ml);
+    free(S->lv);
+    free(S->p);
+    free(S->alpha);
+    free(S->nk);
+}
+
+typedef struct {
+    const attn_t* A;
+    const int64_t* item_seq;
+    const int64_t* item_row;
+    const int* item_head;
+    const int64_t *q_len, *seq_len, *q_start;
+    int pos_tile;
+    attn_scratch_t scratch[MAX_THREADS]; /* per worker, allocated at its first item */
+} attn_job_t;
+
+static void attn_chunk(void* p, int64_t it, int worker) {
+    attn_job_t* J = (attn_job_t*)p;
+    attn_scratch_t* S = &J->scratch[worker];
+    if (!S->kt) scratch_alloc(S, J->A, J->pos_tile * (J->A->H / J->A->KVH));
+    int64_t b = J->item_seq[it], i = J->item_row[it];
+    int npos = (int)(J->q_len[b] - i < J->pos_tile ? J->q_len[b] - i : J->pos_tile);
+    int64_t pos0 = J->seq_len[b] - J->q_len[b] + i;
+    attn_item(J->A, S, b, J->item_head[it], J->q_start[b] + i, pos0, npos);
+}
+
 /* q [T, H, Dqk] rows at strides (q_tok, q_head); caches addressed through the page table;
  * per sequence b: its first query row q_start[b], q_len[b] new rows, seq_len[b] keys after the
  * step. out [T, H, Dv] at strides (o_tok, o_head). Returns 0, or -1 when a size is unsupported
@@ -753,7 +1117,6 @@ int ms_attention(const uint16_t* q, int64_t q_tok, int64_t q_head, int H, int KV
     if (Dqk % 2 || KVH <= 0 || H % KVH || pos_tile <= 0) return -1;
     attn_t A = {q, q_tok, q_head, H, KVH, Dqk, Dv, kc, vc, kv_tok, k_head, v_head,
                 table, table_stride, page_size, scale, out, o_tok, o_head};
-    int G = H / KVH;
     /* work items: (sequence, KV head, tile of positions) */
     int64_t items = 0;
     for (int64_t b = 0; b < B; b++) items += KVH * ((q_len[b] + pos_tile - 1) / pos_tile);
@@ -769,40 +1132,218 @@ int ms_attention(const uint16_t* q, int64_t q_tok, int64_t q_head, int H, int KV
                 item_head[n] = g;
                 n++;
             }
-    int rows = pos_tile * G;
-#pragma omp parallel
-    {
-        attn_scratch_t S;
-        S.kt = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)((Dqk / 2) * KEYS));
-        S.vf = (float*)malloc(sizeof(float) * (size_t)(KEYS * Dv));
-        S.vp = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(KEYS / 2 * Dv));
-        S.pb = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)rows * KEYS);
-        S.o = (float*)malloc(sizeof(float) * (size_t)rows * (size_t)Dv);
-        S.ml = (float*)malloc(sizeof(float) * (size_t)rows * 2);
-        S.lv = (float*)malloc(sizeof(float) * (size_t)rows * 16);
-        S.p = (float*)malloc(sizeof(float) * (size_t)rows * KEYS);
-        S.alpha = (float*)malloc(sizeof(float) * (size_t)rows);
-        S.nk = (int*)malloc(sizeof(int) * (size_t)rows);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            int64_t b = item_seq[it], i = item_row[it];
-            int npos = (int)(q_len[b] - i < pos_tile ? q_len[b] - i : pos_tile);
-            int64_t pos0 = seq_len[b] - q_len[b] + i;
-            attn_item(&A, &S, b, item_head[it], q_start[b] + i, pos0, npos);
-        }
-        free(S.kt);
-        free(S.vf);
-        free(S.vp);
-        free(S.pb);
-        free(S.o);
-        free(S.ml);
-        free(S.lv);
-        free(S.p);
-        free(S.alpha);
-        free(S.nk);
-    }
+    attn_job_t J = {&A, item_seq, item_row, item_head, q_len, seq_len, q_start, pos_tile, {{0}}};
+    pool_run(attn_chunk, &J, items);
+    for (int w = 0; w < MAX_THREADS; w++)
+        if (J.scratch[w].kt) scratch_free(&J.scratch[w]);
     free(item_seq);
     free(item_row);
     free(item_head);
     return 0;
+}
+
+/* ---- a pre-norm decoder layer (Llama: GQA attention, RoPE, SwiGLU) in one call -------------
+ * What the layer-by-layer path computes, with its roundings: the residual add in bf16
+ * (fp32 add, one rounding), RMSNorm as torch's (x * rsqrt(mean(x^2) + eps) * w in fp32,
+ * rounded once; the mean in torch's order, see sum_squares), RoPE in bf16 as HF writes it
+ * (x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16, cos and sin
+ * rounded to bf16 first), then the GEMMs, attention and SiLU * up above. Every part works row
+ * by row, so a row's bits stay independent of the batch, the chunking and the threads. */
+
+typedef struct {
+    weight_t qkv, o, gate_up, down;
+    const uint16_t* norm_in;   /* [hidden] bf16 */
+    const uint16_t* norm_post; /* [hidden] bf16 */
+    float eps;
+    int H, KVH, D;              /* query heads, KV heads, head size */
+    int64_t hidden, inter;      /* model and MLP widths */
+    uint16_t* kc;               /* K cache [pages, page_size, KVH, D] bf16 */
+    uint16_t* vc;               /* V cache, the same layout */
+    int page_size;
+    float scale;                /* attention's softmax scale */
+    const float* cos;           /* [positions, D/2] fp32 (the RoPE tables) */
+    const float* sin;
+} ms_layer_t;
+
+typedef struct {
+    int64_t M;                 /* rows (tokens) of the step */
+    const int64_t* positions;  /* [M] */
+    const int64_t* slots;      /* [M] cache slot of each row (negative: not written) */
+    const int32_t* table;      /* [B, table_stride] pages of each sequence */
+    int64_t table_stride, B;
+    const int64_t* q_start;    /* [B] first row of each sequence */
+    const int64_t* q_len;      /* [B] its rows */
+    const int64_t* seq_len;    /* [B] its keys after the step */
+    int pos_tile;              /* attention: query positions per work item */
+    uint16_t* h;               /* scratch [M, hidden] */
+    uint16_t* qkv;             /* scratch [M, (H + 2 KVH) D] */
+    uint16_t* att;             /* scratch [M, H D] */
+    uint16_t* gu;              /* scratch [M, 2 inter] */
+    uint16_t* act;             /* scratch [M, inter] */
+} ms_step_t;
+
+static inline uint16_t bf16_mul(uint16_t a, uint16_t b) {
+    return f32_to_bf16(bf16_to_f32(a) * bf16_to_f32(b));
+}
+
+static inline uint16_t bf16_add(uint16_t a, uint16_t b) {
+    return f32_to_bf16(bf16_to_f32(a) + bf16_to_f32(b));
+}
+
+/* The sum of x[i]^2 (fp32 squares) in the order of torch's CPU sum over a contiguous fp32 row
+ * (ATen's cascade sum, SumKernel.cpp, over vectors of 8 floats: what torch 2.11-2.13 run on
+ * AVX2 and AVX-512 CPUs alike), which is what torch's RMSNorm takes the mean of: the norms
+ * then match torch's to the bit. Vectors of SUM_LANES are summed SUM_ILP at a time, in
+ * cascade levels. */
+#define SUM_LANES 8
+#define SUM_ILP 4
+#define SUM_LEVELS 4
+#define SUM_MIN_POWER 4
+
+static int ceil_log2(int64_t x) { return x <= 2 ? 1 : 64 - __builtin_clzll((uint64_t)(x - 1)); }
+
+static inline void add_squares(float* acc, const uint16_t* x) {
+    for (int l = 0; l < SUM_LANES; l++) {
+        float v = bf16_to_f32(x[l]);
+        acc[l] += v * v;
+    }
+}
+
+static float sum_squares(const uint16_t* x, int64_t n) {
+    int64_t nvec = n / SUM_LANES, rows = nvec / SUM_ILP;
+    float acc[SUM_LEVELS][SUM_ILP][SUM_LANES];
+    memset(acc, 0, sizeof(acc));
+    int power = ceil_log2(rows) / SUM_LEVELS;
+    if (power < SUM_MIN_POWER) power = SUM_MIN_POWER;
+    int64_t step = (int64_t)1 << power, mask = step - 1, i = 0;
+    while (i + step <= rows) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int k = 0; k < SUM_ILP; k++)
+                add_squares(acc[0][k], x + (i * SUM_ILP + k) * SUM_LANES);
+        for (int lv = 1; lv < SUM_LEVELS; lv++) {
+            for (int k = 0; k < SUM_ILP; k++)
+                for (int l = 0; l < SUM_LANES; l++) {
+                    acc[lv][k][l] += acc[lv - 1][k][l];
+                    acc[lv - 1][k][l] = 0.0f;
+                }
+            if (i & (mask << (lv * power))) break;
+        }
+    }
+    for (; i < rows; i++)
+        for (int k = 0; k < SUM_ILP; k++) add_squares(acc[0][k], x + (i * SUM_ILP + k) * SUM_LANES);
+    for (int lv = 1; lv < SUM_LEVELS; lv++)
+        for (int k = 0; k < SUM_ILP; k++)
+            for (int l = 0; l < SUM_LANES; l++) acc[0][k][l] += acc[lv][k][l];
+    for (int64_t v = rows * SUM_ILP; v < nvec; v++) add_squares(acc[0][0], x + v * SUM_LANES);
+    for (int k = 1; k < SUM_ILP; k++)
+        for (int l = 0; l < SUM_LANES; l++) acc[0][0][l] += acc[0][k][l];
+    float s = 0.0f;
+    for (int64_t t = nvec * SUM_LANES; t < n; t++) {
+        float v = bf16_to_f32(x[t]);
+        s += v * v;
+    }
+    for (int l = 0; l < SUM_LANES; l++) s += acc[0][0][l];
+    return s;
+}
+
+/* out = RMSNorm(x) * w, one row */
+static void rms_row(const uint16_t* x, const uint16_t* w, float eps, int64_t n, uint16_t* out) {
+    float r = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(x[i]) * r * bf16_to_f32(w[i]));
+}
+
+typedef struct {
+    const uint16_t* x;
+    uint16_t* res;
+    int first;
+    const uint16_t* w;
+    float eps;
+    int64_t N;
+    uint16_t* out;
+} norm_job_t;
+
+static void add_rmsnorm_row(void* p, int64_t m, int worker) {
+    const norm_job_t* J = (const norm_job_t*)p;
+    (void)worker;
+    int64_t N = J->N;
+    const uint16_t* xr = J->x + m * N;
+    uint16_t* rr = J->res + m * N;
+    if (J->first)
+        memcpy(rr, xr, sizeof(uint16_t) * (size_t)N);
+    else
+        for (int64_t i = 0; i < N; i++) rr[i] = bf16_add(xr[i], rr[i]);
+    rms_row(rr, J->w, J->eps, N, J->out + m * N);
+}
+
+/* res = x (first layer) or bf16(x + res); out = RMSNorm(res) * w; rows of N */
+static void add_rmsnorm(const uint16_t* x, uint16_t* res, int first, const uint16_t* w, float eps,
+                        int64_t M, int64_t N, uint16_t* out) {
+    norm_job_t J = {x, res, first, w, eps, N, out};
+    rows_run(add_rmsnorm_row, &J, M);
+}
+
+/* RoPE (halves rotated) on one head in place: cos/sin of its position, D/2 each */
+static void rope_head(uint16_t* p, const float* cs, const float* sn, int D) {
+    int half = D / 2;
+    for (int i = 0; i < half; i++) {
+        uint16_t c = f32_to_bf16(cs[i]), s = f32_to_bf16(sn[i]);
+        uint16_t ns = s ^ 0x8000u; /* -sin, exactly */
+        uint16_t x1 = p[i], x2 = p[i + half];
+        p[i] = bf16_add(bf16_mul(x1, c), bf16_mul(x2, ns));
+        p[i + half] = bf16_add(bf16_mul(x2, c), bf16_mul(x1, s));
+    }
+}
+
+typedef struct {
+    const ms_layer_t* L;
+    const ms_step_t* S;
+} layer_job_t;
+
+/* RoPE on a row's q and k heads, then its k and v into the caches */
+static void rope_and_cache_row(void* p, int64_t m, int worker) {
+    const ms_layer_t* L = ((const layer_job_t*)p)->L;
+    const ms_step_t* S = ((const layer_job_t*)p)->S;
+    (void)worker;
+    int D = L->D, KVH = L->KVH;
+    int64_t width = (int64_t)(L->H + 2 * KVH) * D, kv_tok = (int64_t)KVH * D;
+    uint16_t* row = S->qkv + m * width;
+    const float* cs = L->cos + S->positions[m] * (D / 2);
+    const float* sn = L->sin + S->positions[m] * (D / 2);
+    for (int h = 0; h < L->H + KVH; h++) rope_head(row + (int64_t)h * D, cs, sn, D);
+    int64_t slot = S->slots[m];
+    if (slot < 0) return;
+    memcpy(L->kc + slot * kv_tok, row + (int64_t)L->H * D, sizeof(uint16_t) * (size_t)kv_tok);
+    memcpy(L->vc + slot * kv_tok, row + (int64_t)(L->H + KVH) * D,
+           sizeof(uint16_t) * (size_t)kv_tok);
+}
+
+/* x [M, hidden]: in, the previous layer's MLP output (the embeddings when `first`); out, this
+ * layer's. res [M, hidden]: the residual stream, updated. Returns 0, or -1 when a size is
+ * unsupported. */
+int ms_decoder_layer(const ms_layer_t* L, const ms_step_t* S, uint16_t* x, uint16_t* res,
+                     int first) {
+    int64_t M = S->M, hidden = L->hidden, I = L->inter;
+    int H = L->H, KVH = L->KVH, D = L->D;
+    int64_t width = (int64_t)(H + 2 * KVH) * D, kv_tok = (int64_t)KVH * D;
+    if (D % 2 || KVH <= 0 || H % KVH) return -1;
+    add_rmsnorm(x, res, first, L->norm_in, L->eps, M, hidden, S->h);
+    gemm(&L->qkv, S->h, hidden, M, S->qkv, width, 0);
+    layer_job_t J = {L, S};
+    rows_run(rope_and_cache_row, &J, M);
+    int rc = ms_attention(S->qkv, width, D, H, KVH, D, D, L->kc, L->vc, kv_tok, D, D, S->table,
+                          S->table_stride, L->page_size, S->B, S->q_start, S->q_len, S->seq_len,
+                          L->scale, S->att, (int64_t)H * D, D, S->pos_tile);
+    if (rc) return rc;
+    gemm(&L->o, S->att, (int64_t)H * D, M, x, hidden, 0);
+    add_rmsnorm(x, res, 0, L->norm_post, L->eps, M, hidden, S->h);
+    gemm(&L->gate_up, S->h, hidden, M, S->gu, 2 * I, 0);
+    ms_silu_mul(S->gu, 2 * I, S->gu + I, 2 * I, M, I, S->act, I);
+    gemm(&L->down, S->act, I, M, x, hidden, 0);
+    return 0;
+}
+
+/* out = RMSNorm(bf16(x + res)) * w and res = bf16(x + res): the model's last norm */
+void ms_add_rmsnorm(const uint16_t* x, uint16_t* res, const uint16_t* w, float eps, int64_t M,
+                    int64_t N, uint16_t* out) {
+    add_rmsnorm(x, res, 0, w, eps, M, N, out);
 }
