@@ -10,7 +10,7 @@ Method. An engine with `--load-format dummy --num-layers N` and its draft model:
 - `mtp`: DeepSeek-V3, N = 2 (one dense layer, one MoE layer) plus the checkpoint's MTP layer,
   `{"method": "mtp"}`;
 - `eagle3-mla`: Kimi-K2.5, N = 3, and an EAGLE-3 head whose config.json is the published
-  Kimi-K2.5 MLA head's (`PUBLISHED_EAGLE3_MLA`: hidden 7168, 64 heads, q_lora 1536, kv_lora
+  Kimi-K2.5 MLA head's (`KIMI_K25_EAGLE3_MLA_CONFIG`: hidden 7168, 64 heads, q_lora 1536, kv_lora
   512, a dense 18432-wide MLP, a 163,840-token draft vocabulary) with its aux layers moved to
   the 3 built ones (which layers it reads does not change its cost); dummy weights use the
   target's embedding and LM head, the published head's own are the same size;
@@ -36,56 +36,14 @@ from pathlib import Path
 import torch
 from common import gpu_meta
 
+from moeserve.testing.checkpoints import KIMI_K25_EAGLE3_MLA_CONFIG
+
 HERE = Path(__file__).resolve().parent
 BATCHES = (1, 8)
 DRAFT_TOKENS = (1, 3)
 PROMPT = 64
 WARMUP, TIMED = 6, 24
 TOTAL_LAYERS = 61  # DeepSeek-V3 and Kimi-K2.5 alike
-
-# the published Kimi-K2.5 MLA EAGLE-3 head's config.json (Eagle3DeepseekV2ForCausalLM)
-PUBLISHED_EAGLE3_MLA = {
-    "architectures": ["Eagle3DeepseekV2ForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 163584,
-    "draft_vocab_size": 163840,
-    "dtype": "bfloat16",
-    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True},
-    "eos_token_id": 163585,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 7168,
-    "initializer_range": 0.02,
-    "intermediate_size": 18432,
-    "max_position_embeddings": 262144,
-    "mlp_bias": False,
-    "model_type": "kimi_k2",
-    "num_attention_heads": 64,
-    "num_hidden_layers": 1,
-    "num_key_value_heads": 64,
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": {
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "factor": 64.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-    "rope_theta": 50000.0,
-    "tie_word_embeddings": False,
-    "use_cache": True,
-    "vocab_size": 163840,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "v_head_dim": 128,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-}
 
 
 @dataclass(frozen=True)
@@ -133,7 +91,7 @@ def _layer_ms(draft: Draft, batch: int) -> float | None:
 def _spec(draft: Draft, k: int, folder: str) -> dict:
     spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False}
     if draft.name == "eagle3-mla":
-        cfg = dict(PUBLISHED_EAGLE3_MLA)
+        cfg = dict(KIMI_K25_EAGLE3_MLA_CONFIG)
         ids = list(range(draft.layers))  # the built layers (3 of them)
         cfg["eagle_config"] = {
             "eagle_aux_hidden_state_layer_ids": ids,

@@ -199,6 +199,51 @@ class WrittenCheckpoint:
 
 
 # ---- tokenizers --------------------------------------------------------------------------
+# the published Kimi-K2.5 MLA EAGLE-3 head's config.json (Eagle3DeepseekV2ForCausalLM)
+KIMI_K25_EAGLE3_MLA_CONFIG = {
+    "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 163584,
+    "draft_vocab_size": 163840,
+    "dtype": "bfloat16",
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True},
+    "eos_token_id": 163585,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "max_position_embeddings": 262144,
+    "mlp_bias": False,
+    "model_type": "kimi_k2",
+    "num_attention_heads": 64,
+    "num_hidden_layers": 1,
+    "num_key_value_heads": 64,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 64.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 50000.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 163840,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "v_head_dim": 128,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+}
+
+
 def learn_bpe_ranks(text: str, merges: int, pat_str: str = KIMI_PAT_STR) -> dict[bytes, int]:
     """Byte-level BPE ranks: the 256 bytes, then `merges` merges learned greedily."""
     import regex

@@ -25,11 +25,11 @@ import torch
 
 from moeserve.engine.draft import DraftModelProposer
 from moeserve.engine.offline import LLM
-from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.loader import load_model
 from moeserve.models.eagle3 import capture_aux_hidden
 from moeserve.sampling import SamplingParams
 from moeserve.testing.checkpoints import TinyShape, write_checkpoint, write_eagle3_checkpoint
+from tests.models.helpers import one_sequence
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(40, 75)), [7] * 20]
 MAX_TOKENS = [20, 13, 17, 9]
@@ -94,22 +94,6 @@ class _Reference:
         for layer in self.model.attention_layers() + self.head.attention_layers():
             layer.bind_kv_cache(64, PAGE, torch.bfloat16, "cpu")
 
-    @staticmethod
-    def _md(start: int, n: int) -> ForwardContext:
-        end = start + n
-        table = torch.arange(-(-end // PAGE), dtype=torch.int32)[None]
-        return ForwardContext(
-            AttentionMetadata(
-                slot_mapping=torch.arange(start, end),
-                block_tables=table,
-                seq_lens=torch.tensor([end], dtype=torch.int32),
-                query_start=torch.tensor([0, n], dtype=torch.int32),
-                page_size=PAGE,
-                seq_lens_host=[end],
-                query_lens_host=[n],
-            )
-        )
-
     @torch.inference_mode()
     def drafts(self, seq: list[int], upto: int, k: int) -> list[int]:
         """The draft after the sequence's first `upto` tokens: the target over them in one pass
@@ -120,16 +104,16 @@ class _Reference:
             upto, len(head.aux_layer_ids) * m.config.hidden_size, dtype=torch.bfloat16
         )
         capture_aux_hidden(m, head.aux_layer_ids, aux)
-        m(t, torch.arange(upto), self._md(0, upto))
+        m(t, torch.arange(upto), one_sequence(0, upto, PAGE))
         hidden = head.fuse_target_hidden(aux[:-1])
         normed, carried = head.forward_draft(
-            t[1:], torch.arange(upto - 1), hidden, self._md(0, upto - 1)
+            t[1:], torch.arange(upto - 1), hidden, one_sequence(0, upto - 1, PAGE)
         )
         out = [int(head.compute_logits(normed[-1:]).argmax())]
         for j in range(1, k):
             p = upto - 2 + j
             normed, carried = head.forward_draft(
-                torch.tensor([out[-1]]), torch.tensor([p]), carried[-1:], self._md(p, 1)
+                torch.tensor([out[-1]]), torch.tensor([p]), carried[-1:], one_sequence(p, 1, PAGE)
             )
             out.append(int(head.compute_logits(normed).argmax()))
         return out

@@ -20,10 +20,10 @@ import torch
 
 from moeserve.engine.draft import DraftModelProposer
 from moeserve.engine.offline import LLM
-from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.loader import load_model
 from moeserve.sampling import SamplingParams
 from moeserve.testing.checkpoints import write_checkpoint
+from tests.models.helpers import one_sequence
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], list(range(40, 75)), [7] * 20]
 MAX_TOKENS = [20, 13, 17, 9]
@@ -87,28 +87,14 @@ class _Reference:
         for layer in self.model.attention_layers():
             layer.bind_kv_cache(64, PAGE, torch.bfloat16, "cpu")
 
-    @staticmethod
-    def _md(start: int, n: int) -> AttentionMetadata:
-        end = start + n
-        table = torch.arange(-(-end // PAGE), dtype=torch.int32)[None]
-        return AttentionMetadata(
-            slot_mapping=torch.arange(start, end),
-            block_tables=table,
-            seq_lens=torch.tensor([end], dtype=torch.int32),
-            query_start=torch.tensor([0, n], dtype=torch.int32),
-            page_size=PAGE,
-            seq_lens_host=[end],
-            query_lens_host=[n],
-        )
-
     @torch.inference_mode()
     def drafts(self, seq: list[int], upto: int, k: int) -> list[int]:
         """The draft after the sequence's first `upto` tokens: the MTP module over positions
         0..upto-2 in one pass, then chained k - 1 times on its own output."""
         m, t = self.model, torch.tensor(seq[:upto])
-        h = m(t, torch.arange(upto), ForwardContext(self._md(0, upto)))
+        h = m(t, torch.arange(upto), one_sequence(0, upto, PAGE))
         pos = torch.arange(upto - 1)
-        normed, carried = m.forward_draft(t[1:], pos, h[:-1], ForwardContext(self._md(0, upto - 1)))
+        normed, carried = m.forward_draft(t[1:], pos, h[:-1], one_sequence(0, upto - 1, PAGE))
         out = [int(m.compute_logits(normed[-1:]).argmax())]
         for j in range(1, k):
             p = upto - 2 + j
@@ -116,7 +102,7 @@ class _Reference:
                 torch.tensor([out[-1]]),
                 torch.tensor([p]),
                 carried[-1:],
-                ForwardContext(self._md(p, 1)),
+                one_sequence(p, 1, PAGE),
             )
             out.append(int(m.compute_logits(normed).argmax()))
         return out

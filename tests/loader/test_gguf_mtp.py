@@ -14,11 +14,11 @@ import torch
 
 from moeserve.engine.offline import LLM
 from moeserve.errors import LoadError
-from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.loader import load_model
 from moeserve.sampling import SamplingParams
 from moeserve.testing.checkpoints import write_checkpoint
 from tests.loader.gguf_fixtures import Job, convert
+from tests.models.helpers import one_sequence
 
 PAGE = 16
 SEQ = [5, 17, 3, 99, 42, 7, 8, 200, 31, 64, 12]
@@ -39,19 +39,6 @@ def files(tmp_path_factory):
     return folder, paths
 
 
-def _md(start: int, n: int) -> AttentionMetadata:
-    end = start + n
-    return AttentionMetadata(
-        slot_mapping=torch.arange(start, end),
-        block_tables=torch.arange(-(-end // PAGE), dtype=torch.int32)[None],
-        seq_lens=torch.tensor([end], dtype=torch.int32),
-        query_start=torch.tensor([0, n], dtype=torch.int32),
-        page_size=PAGE,
-        seq_lens_host=[end],
-        query_lens_host=[n],
-    )
-
-
 @torch.inference_mode()
 def _draft_logits(path: str) -> torch.Tensor:
     """The MTP block's logits at every position of SEQ (fp32 model)."""
@@ -59,8 +46,8 @@ def _draft_logits(path: str) -> torch.Tensor:
     for layer in m.attention_layers():
         layer.bind_kv_cache(8, PAGE, torch.float32, "cpu")
     t, n = torch.tensor(SEQ), len(SEQ)
-    h = m(t, torch.arange(n), ForwardContext(_md(0, n)))
-    normed, _ = m.forward_draft(t[1:], torch.arange(n - 1), h[:-1], ForwardContext(_md(0, n - 1)))
+    h = m(t, torch.arange(n), one_sequence(0, n, PAGE))
+    normed, _ = m.forward_draft(t[1:], torch.arange(n - 1), h[:-1], one_sequence(0, n - 1, PAGE))
     return m.compute_logits(normed)
 
 

@@ -171,3 +171,23 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
         eos_token_id=None,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def one_sequence(start: int, n: int, page: int, table: list[int] | None = None) -> ForwardContext:
+    """Positions start .. start + n - 1 of one sequence over the paged cache, its pages
+    `table` (default: pages 0, 1, ... in order)."""
+    end = start + n
+    if table is None:
+        table = list(range(-(-end // page)))
+    slots = [table[t // page] * page + t % page for t in range(start, end)]
+    return ForwardContext(
+        AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor([table], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            query_start=torch.tensor([0, n], dtype=torch.int32),
+            page_size=page,
+            seq_lens_host=[end],
+            query_lens_host=[n],
+        )
+    )

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from moeserve.config import ConfigError, ModelConfig
-from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moeserve.models.eagle3 import (
     Eagle3Config,
@@ -34,8 +33,8 @@ from moeserve.models.eagle3 import (
     capture_aux_hidden,
     default_aux_layers,
 )
-from moeserve.testing.checkpoints import write_eagle3_checkpoint
-from tests.models.helpers import YARN, build_hf_model, tiny_hf_config
+from moeserve.testing.checkpoints import KIMI_K25_EAGLE3_MLA_CONFIG, write_eagle3_checkpoint
+from tests.models.helpers import YARN, build_hf_model, one_sequence, tiny_hf_config
 
 TOL = 2e-4
 LAYERS = 4
@@ -45,40 +44,7 @@ PAGE, PAGES = 4, 16
 TABLE = list(reversed(range(PAGES)))  # a permuted page table, the same for every step
 
 # published config.json files (values as published; only the fields the layout reads matter)
-PUBLISHED_MLA = {  # a Kimi-K2.5 MLA EAGLE-3 head (Eagle3DeepseekV2ForCausalLM)
-    "architectures": ["Eagle3DeepseekV2ForCausalLM"],
-    "attention_bias": False,
-    "draft_vocab_size": 163840,
-    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True},
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 7168,
-    "intermediate_size": 18432,
-    "max_position_embeddings": 262144,
-    "model_type": "kimi_k2",
-    "num_attention_heads": 64,
-    "num_hidden_layers": 1,
-    "num_key_value_heads": 64,
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": {
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "factor": 64.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-    "rope_theta": 50000.0,
-    "vocab_size": 163840,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "v_head_dim": 128,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-}
+PUBLISHED_MLA = KIMI_K25_EAGLE3_MLA_CONFIG  # a Kimi-K2.5 MLA EAGLE-3 head
 PUBLISHED_LLAMA = {  # SpecForge's DeepSeek-V3 EAGLE-3 head (LlamaForCausalLMEagle3)
     "architectures": ["LlamaForCausalLMEagle3"],
     "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True},
@@ -129,23 +95,6 @@ def test_published_configs_parse_to_their_layouts():
 
 
 # ---- the reference ---------------------------------------------------------------------------
-def _md(start: int, n: int) -> ForwardContext:
-    """Positions start .. start + n - 1 of one sequence over the paged cache."""
-    end = start + n
-    slots = [TABLE[t // PAGE] * PAGE + t % PAGE for t in range(start, end)]
-    return ForwardContext(
-        AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            block_tables=torch.tensor([TABLE], dtype=torch.int32),
-            seq_lens=torch.tensor([end], dtype=torch.int32),
-            query_start=torch.tensor([0, n], dtype=torch.int32),
-            page_size=PAGE,
-            seq_lens_host=[end],
-            query_lens_host=[n],
-        )
-    )
-
-
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -301,7 +250,7 @@ def test_head_matches_the_reference(target, tmp_path, like):
     capture_aux_hidden(ours, ids, aux)
     for layer in ours.attention_layers():
         layer.bind_kv_cache(PAGES, PAGE, torch.float32, "cpu")
-    ours(tokens, torch.arange(n), _md(0, n))
+    ours(tokens, torch.arange(n), one_sequence(0, n, PAGE, TABLE))
     states = hf.model(tokens[None], output_hidden_states=True).hidden_states
     want_aux = torch.cat([states[i][0] for i in ids], dim=-1)
     assert (aux - want_aux).abs().max() < TOL
@@ -309,7 +258,7 @@ def test_head_matches_the_reference(target, tmp_path, like):
     pos = torch.arange(n - 1)
     want, want_out = ref.run(tokens[1:], pos, ref.fuse(want_aux[:-1]))
     normed, carried = head.forward_draft(
-        tokens[1:], pos, head.fuse_target_hidden(aux[:-1]), _md(0, n - 1)
+        tokens[1:], pos, head.fuse_target_hidden(aux[:-1]), one_sequence(0, n - 1, PAGE, TABLE)
     )
     got = head.compute_logits(normed)
     finite = torch.isfinite(want)
@@ -322,7 +271,7 @@ def test_head_matches_the_reference(target, tmp_path, like):
         nxt = int(got[-1].argmax())
         p = n - 1 + j
         normed, out = head.forward_draft(
-            torch.tensor([nxt]), torch.tensor([p]), out[-1:], _md(p, 1)
+            torch.tensor([nxt]), torch.tensor([p]), out[-1:], one_sequence(p, 1, PAGE, TABLE)
         )
         got = head.compute_logits(normed)
         chain_ids.append(nxt)
