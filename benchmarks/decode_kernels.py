@@ -3,6 +3,8 @@ before each: where a batch-1 step's time goes, kernel by kernel.
 
 Run on the GPU machine from the repository root:
   PYTHONPATH=$PWD python benchmarks/decode_kernels.py [deepseek-v3-fp8] [kimi-k2.5-nvfp4]
+      [--rank tp8-ep]   (one GPU holding rank 0's share, as in decode_layer.py --rank)
+      [KEY=VALUE ...]   (engine settings, e.g. pdl=off)
 
 Method: the engine of benchmarks/decode_layer.py (dummy weights in the serving format, CUDA
 graphs) with one MoE layer (DeepSeek-V3: 3 dense + 1 MoE, Kimi-K2.5: 1 + 1), one 64-token
@@ -17,7 +19,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from decode_layer import CONFIGS, OPTIONAL, PROMPT, _engine
+from decode_layer import CONFIGS, OPTIONAL, PROMPT, _engine, _setting
 from torch.profiler import ProfilerActivity, profile
 
 from moeserve.sampling import SamplingParams
@@ -27,9 +29,12 @@ TRACED_STEPS = 10
 LAYERS = {"deepseek-v3-fp8": 4, "kimi-k2.5-nvfp4": 2}  # the dense layers + one MoE layer
 
 
-def step_kernels(name: str, layers: int) -> list[tuple[int, int, str]]:
+def step_kernels(
+    name: str, layers: int, rank: str | None = None, settings: dict | None = None
+) -> list[tuple[int, int, str]]:
     """(start ns, end ns, name) of the device activities of one batch-1 decode step."""
-    engine = _engine({**CONFIGS, **OPTIONAL}[name], layers, 0)
+    settings = dict(settings or {}, **({"simulate_rank": rank} if rank else {}))
+    engine = _engine({**CONFIGS, **OPTIONAL}[name], layers, 0, **settings)
     params = SamplingParams(
         max_tokens=WARMUP_STEPS + TRACED_STEPS + 8, temperature=0, ignore_eos=True
     )
@@ -57,12 +62,20 @@ def step_kernels(name: str, layers: int) -> list[tuple[int, int, str]]:
 
 
 def main() -> None:
-    for name in sys.argv[1:] or list(LAYERS):
-        step = step_kernels(name, LAYERS[name])
+    args = sys.argv[1:]
+    rank = None
+    if "--rank" in args:
+        i = args.index("--rank")
+        rank = args[i + 1]
+        del args[i : i + 2]
+    settings = dict(_setting(a) for a in args if "=" in a)
+    for name in [a for a in args if "=" not in a] or list(LAYERS):
+        step = step_kernels(name, LAYERS[name], rank, settings)
         busy = sum(end - start for start, end, _ in step) / 1e3
         span = (step[-1][1] - step[0][0]) / 1e3
-        print(f"== {name} L={LAYERS[name]} B=1: {len(step)} events, span {span:.1f} us, "
-              f"busy {busy:.1f} us")  # fmt: skip
+        where = " ".join([rank or "one GPU", *(f"{k}={v}" for k, v in settings.items())])
+        print(f"== {name} {where} L={LAYERS[name]} B=1: {len(step)} events, "
+              f"span {span:.1f} us, busy {busy:.1f} us")  # fmt: skip
         prev = step[0][0]
         for start, end, kernel in step:
             gap, us = (start - prev) / 1e3, (end - start) / 1e3

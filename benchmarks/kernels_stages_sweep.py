@@ -15,6 +15,10 @@ fp8_block_gemv table were chosen from, next to the shipped choice, on the full-s
   w16      the same MoE GEMV on bf16 weights, 8 of 64 DeepSeek-size experts, M=1
   f16      NVFP4 GEMV (M=1/2/4) and MoE GEMV (M=1/8) with f16x2 products (F16=1)
   moe_m1_tiles  the one-token NVFP4 MoE on the tiles read_floor.py reads fastest
+  gate_up  the fused NVFP4 gate/up + SiLU GEMV against two GEMVs + SiLU + multiply, M=1/4, on
+           Kimi-K2.5's shared expert and dense MLP, whole and a TP8 rank's slice
+  moe_split  the one-token NVFP4 MoE with split-K, on one TP8-EP rank's bank (48 experts, 2 or 3
+           of a token's 8 slots local, the others another rank's) and on all 384 experts
 Graph-timed like kernels_gemm_moe.py (weights cycled past L2; % of 4.3 TB/s); every candidate's
 output is compared with the shipped kernel's or the torch reference (printed as err).
 
@@ -461,6 +465,113 @@ def moe_m1_tiles() -> None:
     _kimi_moe_gemv_sweep("moe_m1_tiles", (1,), cands)
 
 
+MOE_SPLITS = [
+    (16, 32, 1, 1),
+    (16, 32, 2, 1),
+    (16, 32, 4, 1),
+    (16, 32, 4, 2),
+    (16, 32, 7, 2),
+    (16, 32, 7, 4),
+    (32, 32, 4, 2),
+    (32, 64, 4, 2),
+    (32, 32, 7, 2),
+    (16, 64, 4, 4),
+    (8, 32, 4, 2),
+]  # BLOCK_N, DOWN_BLOCK_N, SPLIT_K, DOWN_SPLIT_K
+
+
+def moe_split() -> None:
+    """One token, split-K candidates: rank 0 of TP8-EP (48 experts; `local` of the 8 slots on
+    this rank, the rest ids of other ranks, which the kernels skip) and the whole bank."""
+    _, h, i, topk = KIMI_MOE
+    per_expert = 3 * i * h // 2 + 3 * i * h // 16
+    for e_, local in ((48, 2), (48, 3), (384, 8)):
+        experts = rand_nvfp4_experts(e_, h, i, "cuda")
+        routes = []
+        for _ in range(20):
+            mine = torch.randperm(e_, device="cuda")[:local]
+            other = e_ + torch.arange(topk - local, device="cuda")
+            routes.append(torch.cat([mine, other])[None].int())
+        tws = [torch.rand(1, topk, device="cuda") for _ in routes]
+        x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(1, h, device="cuda", dtype=torch.bfloat16)
+        base = tile_config("moe_gemv", 1, f"{e_}:{2 * i}x{h}")
+        counters = torch.zeros(
+            moe_mod.combine_counters_needed(h, i, topk), dtype=torch.int32, device="cuda"
+        )
+
+        def run(r, tw, cfg, x=x, out=out, experts=experts, counters=counters):
+            return moe_mod.fused_moe_nvfp4(
+                x, r, tw, *experts, out=out, gate_up_config=cfg, kernel="gemv",
+                combine_counters=counters,
+            ).clone()  # fmt: skip
+
+        cands = [None] + [
+            dict(base, BLOCK_N=bn, DOWN_BLOCK_N=dbn, SPLIT_K=sk, DOWN_SPLIT_K=dsk)
+            for bn, dbn, sk, dsk in MOE_SPLITS
+        ]
+        log(f"# moe_split: {e_} experts, {local} of {topk} slots local")
+        _moe_sweep(f"moe_split_{e_}_{local}", run, cands, 1, routes, tws, local * per_expert)
+        del experts
+        torch.cuda.empty_cache()
+
+
+GATE_UP_SHAPES = {
+    "shared/8": (256, 7168),
+    "dense/8": (2304, 7168),
+    "shared": (2048, 7168),
+    "dense": (18432, 7168),
+}
+GATE_UP_TILES = [
+    (16, 256, 2, 0, 0),
+    (16, 256, 2, 0, 3),
+    (16, 256, 2, 4, 3),
+    (16, 256, 2, 7, 3),
+    (16, 256, 2, 14, 0),
+    (8, 256, 2, 0, 3),
+    (8, 256, 2, 14, 3),
+    (32, 256, 4, 0, 3),
+    (16, 512, 4, 0, 3),
+    (16, 256, 4, 7, 3),
+]  # BLOCK_N, BLOCK_K, num_warps, SPLIT_K, STAGES
+
+
+def gate_up() -> None:
+    """The MLP's gate and up projections into SiLU * up: today's four launches against the
+    fused one (kernels/gemm/nvfp4_gate_up.py), weights cycled past L2."""
+    from moeserve.kernels.gemm import nvfp4_gate_up as gu
+
+    for name, (n, k) in GATE_UP_SHAPES.items():
+        copies = n_copies(2 * (n * k // 2 + n * k // 16))
+        gates, ups = rand_nvfp4(n, k, copies, "cuda"), rand_nvfp4(n, k, copies, "cuda")
+        pairs = list(zip(gates, ups, strict=True))
+        wsp = splitk.SplitKWorkspace.create(16 * 2 * n, 4096, "cuda")
+        for m in (1, 4):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+            def four(w, x=x, wsp=wsp):
+                g = nv.nvfp4_gemm(x, *w[0], workspace=wsp)
+                u = nv.nvfp4_gemm(x, *w[1], workspace=wsp)
+                return torch.nn.functional.silu(g) * u
+
+            ref = four(pairs[0])
+            nbytes = 2 * nvfp4_bytes(m, n, k)
+            _time_product("gate_up", four, pairs, ref, nbytes, shape=name, M=m, cfg="4 launches")
+            cands = [None] + [
+                dict(_gemv_cfg(bn, bk, w, st, sk), F16=int(m == 1))
+                for bn, bk, w, sk, st in GATE_UP_TILES
+            ]
+            for cfg in cands:
+
+                def fused(w, x=x, cfg=cfg, wsp=wsp):
+                    return gu.nvfp4_gate_up_silu(x, w[0][:3], w[1][:3], wsp, config=cfg)
+
+                label = cfg or "table"
+                _time_product("gate_up", fused, pairs, ref, nbytes, shape=name, M=m, cfg=label)
+        del gates, ups, pairs
+        torch.cuda.empty_cache()
+
+
 def moe_rows_f16(ms: tuple[int, ...] = (4, 8, 16, 32)) -> None:
     """NVFP4 MoE at a few tokens: the dispatcher's choice (the mma.sync GEMV from 5 tokens)
     against the CUDA-core GEMV with F16 products (blocks of 1 and 2 slots)."""
@@ -654,6 +765,8 @@ def ds_absorb() -> None:
 
 PARTS = {
     "moe_m1_tiles": moe_m1_tiles,
+    "moe_split": moe_split,
+    "gate_up": gate_up,
     "ds_absorb": ds_absorb,
     "ds_one_token": ds_one_token,
     "ds_moe_down": ds_moe_down,

@@ -32,9 +32,10 @@ def compile_gate_up(block_n: int, block_k: int, warps: int, stages: int, even: b
     """The shipped one-token gate_up GEMV (DIRECT blocks, F16, EVEN) for sm_90a."""
     sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", gs_ptr="*fp32", inter_ptr="*bf16",
                sorted_ptr="*i32", expert_ids_ptr="*i32", num_experts="i32", Mk="i32",
-               INTER="i32", H="i32", stride_xm="i32")  # fmt: skip
+               INTER="i32", H="i32", stride_xm="i32", ws_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
     const = dict(TOPK=8, MP=1, BLOCK_N=block_n, BLOCK_K=block_k, K_ITERS=HIDDEN // block_k,
-                 DECODE=1, PREFETCH=1, STAGES=stages, F16=1, DIRECT=1, EVEN=int(even))  # fmt: skip
+                 DECODE=1, PREFETCH=1, STAGES=stages, F16=1, DIRECT=1, EVEN=int(even), SPLIT_K=1,
+                 PDL=0)  # fmt: skip
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
     aligned = ("x_ptr", "w_ptr", "s_ptr", "inter_ptr", "H", "INTER", "stride_xm")

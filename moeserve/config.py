@@ -782,6 +782,14 @@ class EngineConfig(_Settings):
     enforce_eager: bool = setting(
         False, "GPU: run every step eagerly (no CUDA-graph capture of decode steps)"
     )
+    pdl: str = setting(
+        "off",
+        "GPU: programmatic dependent launch between the decode step's Triton kernels (sm_90+): "
+        "each launches while the previous one drains and reads its weights before waiting for "
+        "that kernel's output (measured no faster on a Kimi-K2.5 TP8-EP rank's layer, so off "
+        "by default)",
+        choices=("off", "on"),
+    )
     cuda_graph_max_bs: int = setting(
         256,
         "GPU: largest decode batch replayed from a CUDA graph (capped by --max-num-seqs); "

@@ -401,6 +401,7 @@ def plan_deployment(
         page_size=engine.cache.page_size,
         mla_decode_kernel=engine.cache.mla_decode_kernel,
         enforce_eager=engine.enforce_eager,
+        pdl=engine.pdl,
         deterministic=engine.load.deterministic,
         cpu_kernels=engine.load.cpu_kernels,
         tp_size=tp,

@@ -6,11 +6,13 @@ table) of a decode-only batch, once per padded batch size of `capture_sizes`, al
 graph memory pool, largest first (the smaller graphs reuse its blocks). Logits, sampling, and
 prefill / mixed / larger batches stay eager.
 
-Static inputs: one int64 [4, max_batch] buffer (ids, positions, rows, seq_lens); the graph of
-size P reads its first P columns. A batch of b sequences pads to the next captured size with
-harmless columns: the padding row of the page table (all zeros, never written), position 0
-and seq_len 0, so the slot is negative (write_mla_cache skips it) and mla_decode reads no
-cache row for them; their hidden rows are computed and dropped.
+Static inputs: one flat int64 buffer, `staged`; the graph of size P reads its first 4 * P words
+as [4, P] (ids, positions, rows, seq_lens), so a step's index lists, packed on the host in
+that layout with the padding columns, reach it in one host->device copy (its other lists
+follow in the room after them). A batch of b sequences pads to the next captured size with
+harmless columns (`padding_column`): the padding row of the page table (all zeros, never
+written), position 0 and seq_len 0, so the slot is negative (write_mla_cache skips it) and
+mla_decode reads no cache row for them; their hidden rows are computed and dropped.
 
 Only models in which no module declares `supports_cuda_graph = False` are captured (the
 Triton MLA decode and the fused NVFP4 MoE are capturable; torch paths that loop over
@@ -59,6 +61,11 @@ def graph_blockers(model: nn.Module) -> list[str]:
     )
 
 
+def padding_column(pad_row: int) -> tuple[int, int, int, int]:
+    """A padding column's (id, position, row, seq_len)."""
+    return (0, 0, pad_row, 0)
+
+
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -73,10 +80,12 @@ class DecodeGraphs:
         max_batch: int,
         pad_row: int,
         max_context: int,
+        room: int = 0,
     ) -> None:
         """`forward(ids, positions, rows, seq_lens)`: the decode forward to capture;
         `model`: whose modules get `prepare_cuda_graph`; `pad_row`: the page-table row of
-        padding columns."""
+        padding columns; `room`: int64 words of `staged` after the largest graph's inputs."""
+        self.room = room
         self.forward = forward
         self.model = model
         self.device = device
@@ -93,14 +102,19 @@ class DecodeGraphs:
         return self.sizes[-1] if self.sizes else 0
 
     def allocate_inputs(self) -> None:
-        """The static input buffer, and the padding columns it is reset from."""
+        """The static input buffer, and the padding columns `run` fills from."""
         n = self.max_batch
-        self.padding = torch.zeros(NUM_INPUTS, n, dtype=torch.int64, device=self.device)
-        self.padding[2].fill_(self.pad_row)  # ids 0, position 0, seq_len 0
-        self.inputs = self.padding.clone()
+        column = torch.tensor(padding_column(self.pad_row), dtype=torch.int64)
+        self.padding = column[:, None].repeat(1, n).to(self.device)
+        self.staged = torch.zeros(NUM_INPUTS * n + self.room, dtype=torch.int64, device=self.device)
+
+    def inputs_of(self, size: int) -> torch.Tensor:
+        """The static inputs the graph of `size` reads: [4, size], the first 4 * size words of
+        `staged`."""
+        return self.staged[: NUM_INPUTS * size].view(NUM_INPUTS, size)
 
     def _run_forward(self, size: int) -> torch.Tensor:
-        ids, pos, rows, lens = self.inputs[:, :size]
+        ids, pos, rows, lens = self.inputs_of(size)
         return self.forward(ids, pos, rows, lens)
 
     @torch.inference_mode()
@@ -121,6 +135,7 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         for size in reversed(self.sizes):
             with torch.cuda.stream(stream):
+                self.inputs_of(size).copy_(self.padding[:, :size])  # all padding columns
                 self._run_forward(size)  # warm-up: probe, compilation, lazy state
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -136,17 +151,29 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, inputs: torch.Tensor) -> torch.Tensor:
         """Replay the decode forward of b sequences given as one int64 [4, b] device tensor
-        (ids, positions, rows, seq_lens); hidden states [b, H], a view of the graph's output:
-        valid until the next replay."""
+        (ids, positions, rows, seq_lens), copied into the static inputs with padding
+        columns; see `replay`."""
         b = inputs.shape[1]
-        size = padded_size(b, self.sizes)
-        assert size is not None and size in self.graphs, f"no graph for a batch of {b}"
-        self.inputs[:, :b].copy_(inputs)
-        if size > b:
-            self.inputs[:, b:size].copy_(self.padding[:, b:size])
+        static = self.inputs_of(self._size(b))
+        static[:, :b].copy_(inputs)
+        if static.shape[1] > b:
+            static[:, b:].copy_(self.padding[:, b : static.shape[1]])
+        return self.replay(b)
+
+    @torch.inference_mode()
+    def replay(self, b: int) -> torch.Tensor:
+        """Replay the decode forward of b sequences whose inputs, padding columns included,
+        are in place (`inputs_of` the padded size); hidden states [b, H], a view of the
+        graph's output: valid until the next replay."""
+        size = self._size(b)
         self.graphs[size].replay()
         self.replays[size] += 1
         return self.outputs[size][:b]
+
+    def _size(self, b: int) -> int:
+        size = padded_size(b, self.sizes)
+        assert size is not None and size in self.graphs, f"no graph for a batch of {b}"
+        return size
 
     def status(self) -> str:
         return (

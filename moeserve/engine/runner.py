@@ -19,9 +19,16 @@ import numpy as np
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.engine.cuda_graphs import DecodeGraphs, graph_blockers
+from moeserve.engine.cuda_graphs import (
+    NUM_INPUTS,
+    DecodeGraphs,
+    graph_blockers,
+    padded_size,
+    padding_column,
+)
 from moeserve.engine.memory import MemoryPlan, plan_kv_pages
 from moeserve.engine.step import DRAFT_ON_TARGET, StepInput, iter_page_updates
+from moeserve.kernels.elementwise.tokens import resolve_placeholders
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.loader.base import LoadedModel
 from moeserve.models.eagle3 import capture_aux_hidden
@@ -53,12 +60,13 @@ class StepTensors:
     query_start: torch.Tensor  # int32 [B + 1]
     hidden_rows: torch.Tensor  # a draft step's: the rows of the hidden states it reads
     embed_rows: torch.Tensor  # the rows whose embeddings are an image's
+    staged: bool = False  # `packed` is the decode graphs' static input buffer
 
 
 class Staging:
     """Host->device copies of int64 arrays through two pinned buffers used in turn (CUDA): the
     copy is queued without waiting for the GPU, and a buffer is refilled only once its last
-    copy has run. On a CPU device the array is used as it is."""
+    copy has run. On a CPU device the array is used as it is (or copied into `out`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -66,9 +74,13 @@ class Staging:
         self.done: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
 
-    def to_device(self, host: np.ndarray) -> torch.Tensor:
+    def to_device(self, host: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`host` on the device: in `out`'s first words if given, else in a new tensor."""
         if self.device.type != "cuda":
-            return torch.from_numpy(host)
+            if out is None:
+                return torch.from_numpy(host)
+            out[: host.size].copy_(torch.from_numpy(host))
+            return out[: host.size]
         self.turn ^= 1
         i, n = self.turn, host.size
         if self.done[i] is not None:
@@ -78,7 +90,7 @@ class Staging:
             size = max(n, 2 * (buf.numel() if buf is not None else 0), 1 << 12)
             buf = self.bufs[i] = torch.empty(size, dtype=torch.int64, pin_memory=True)
         buf[:n].numpy()[:] = host
-        dev = torch.empty(n, dtype=torch.int64, device=self.device)
+        dev = torch.empty(n, dtype=torch.int64, device=self.device) if out is None else out[:n]
         dev.copy_(buf[:n], non_blocking=True)
         event = self.done[i] = torch.cuda.Event()
         event.record()
@@ -111,6 +123,12 @@ class ModelRunner:
         self._fed_tokens = self.sampler.device_tokens()  # the last step's placeholder tokens
         model_len = loaded.config.context_len(config.scheduler.max_model_len)
         self.max_rows = config.scheduler.max_num_seqs
+        # the captured decode reads placeholder tokens here (a fixed address): a greedy step's
+        # tokens are copied in after its LM head, off the path to the next replay
+        self._graph_tokens = torch.zeros(
+            max(1, self.max_rows), dtype=torch.int64, device=self.device
+        )
+        self._graph_tokens_of: torch.Tensor | None = None  # the tokens it holds
         self.graphs: DecodeGraphs | None = None
         # the draft model: an EAGLE-3 head (a module of its own, `loaded.draft`) or the
         # target's MTP module (the target model drafts through `forward_draft`)
@@ -371,14 +389,7 @@ class ModelRunner:
         blockers = graph_blockers(self.model)
         if blockers:
             return f"CUDA graphs off: {', '.join(blockers)} cannot be captured; decode runs eager"
-        graphs = DecodeGraphs(
-            self._graph_forward,
-            self.model,
-            self.device,
-            max_batch,
-            self.max_rows,
-            self.max_model_len,
-        )
+        graphs = self._decode_graphs(max_batch)
         before = torch.cuda.memory_reserved(self.device)
         try:
             graphs.capture()
@@ -395,6 +406,20 @@ class ModelRunner:
         if check is not None:
             check()  # a one-shot all-reduce that timed out while capturing says so here
         return graphs.status()
+
+    def _decode_graphs(self, max_batch: int) -> DecodeGraphs:
+        """The model's decode graphs (not captured yet). Their static buffer has room for the
+        rest of a decode step's index lists (logit rows, query lengths and starts, a few
+        appended pages per sequence), which then come in the same copy."""
+        return DecodeGraphs(
+            self._graph_forward,
+            self.model,
+            self.device,
+            max_batch,
+            self.max_rows,
+            self.max_model_len,
+            room=8 * max_batch + 32,
+        )
 
     def _capture_draft(self, max_batch: int) -> None:
         """Graphs of the draft model's one-token steps (its hidden-state input is a static
@@ -438,10 +463,12 @@ class ModelRunner:
         return torch.cat([normed, carried], dim=-1)
 
     # ---- one step ----------------------------------------------------------------------------
-    def _tensors(self, step: StepInput) -> StepTensors:
+    def _tensors(self, step: StepInput, graph_size: int | None = None) -> StepTensors:
         """The step's index lists in one host->device copy (from pinned memory on GPUs: a copy
         from pageable memory would wait for the GPU to drain, defeating overlap), and the
-        page-table rows it appends written on the device."""
+        page-table rows it appends written on the device. A step that replays the graph of
+        `graph_size` is packed with its padding columns straight into the graphs' static
+        inputs where it fits (`StepTensors.staged`)."""
         upd_rows: list[int] = []
         upd_cols: list[int] = []
         upd_pages: list[int] = []
@@ -452,35 +479,49 @@ class ModelRunner:
         qstart = [0]
         for q in step.query_lens:
             qstart.append(qstart[-1] + q)
-        parts = (
-            step.ids,
-            step.positions,
-            step.rows,
-            step.seq_lens,
-            step.logit_rows,
-            step.query_lens,
-            qstart,
-            upd_rows,
-            upd_cols,
-            upd_pages,
-            step.hidden_rows,
-            step.embed_rows,
+        # the graphs' inputs [4, width] first (each list padded to the graph's size), then
+        # the rest; the int32 lists (query starts, table entries) two to a word, in the dtype
+        # their users take
+        head = (step.ids, step.positions, step.rows, step.seq_lens)
+        width = graph_size or 0
+        tail = (
+            (step.logit_rows, False),
+            (step.query_lens, False),
+            (qstart, True),
+            (upd_rows, False),
+            (upd_cols, False),
+            (upd_pages, True),
+            (step.hidden_rows, False),
+            (step.embed_rows, False),
         )
-        host = np.empty(sum(len(p) for p in parts), dtype=np.int64)
-        spans = []
+        spans = []  # (first word, length, int32)
         o = 0
-        for part in parts:
-            host[o : o + len(part)] = part
-            spans.append((o, len(part)))
-            o += len(part)
-        dev = self._staging.to_device(host)
-        views = [dev[a : a + n] for a, n in spans]
+        for part in head:
+            spans.append((o, len(part), False))
+            o += max(len(part), width)
+        for part, half in tail:
+            o += o & 1  # 16-byte aligned (Triton specialises pointer arguments on it)
+            spans.append((o, len(part), half))
+            o += (len(part) + 1) // 2 if half else len(part)
+        host = np.empty(o, dtype=np.int64)
+        pads = padding_column(self.max_rows) if width else (0,) * len(head)
+        for (a, n, _), part, pad in zip(spans[: len(head)], head, pads, strict=True):
+            host[a : a + n] = part
+            if n < width:
+                host[a + n : a + width] = pad
+        for (a, n, half), (part, _) in zip(spans[len(head) :], tail, strict=True):
+            (host[a:].view(np.int32) if half else host[a:])[:n] = part
+        g = self.graphs
+        staged = g is not None and graph_size is not None and host.size <= g.staged.numel()
+        dev = self._staging.to_device(host, g.staged if staged else None)
+        views = [
+            dev[a : a + (n + 1) // 2].view(torch.int32)[:n] if half else dev[a : a + n]
+            for a, n, half in spans
+        ]
         ids, pos, rows, lens, lrows, qlens, qs, ur, uc, up, hrows, erows = views
         if len(up):
-            self.block_table.index_put_((ur, uc), up.to(torch.int32))
-        return StepTensors(
-            dev, ids, pos, rows, lens, lrows, qlens, qs.to(torch.int32), hrows, erows
-        )
+            self.block_table.index_put_((ur, uc), up)
+        return StepTensors(dev, ids, pos, rows, lens, lrows, qlens, qs, hrows, erows, staged)
 
     def metadata(
         self,
@@ -558,7 +599,9 @@ class ModelRunner:
     def _graph_forward(
         self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor
     ) -> torch.Tensor:
-        """The captured decode forward: metadata from the page table, then the model."""
+        """The captured decode forward: placeholder ids resolved from `_graph_tokens`,
+        metadata from the page table, then the model."""
+        ids = resolve_placeholders(ids, self._graph_tokens)
         md = self._decode_metadata(positions, rows, seq_lens)
         return self.model(ids, positions, ForwardContext(md))
 
@@ -595,29 +638,29 @@ class ModelRunner:
         """Run one step; fp32 logits [len(step.logit_rows), vocab] (every rank computes them:
         the LM head is vocab-parallel), or None when no row needs logits. A `greedy` step's
         tokens also stay on the device, in `sampler`, for the next step's placeholder ids."""
-        st = self._tensors(step)
+        graph_size = self._graph_size(step)
+        st = self._tensors(step, graph_size)
         if step.ids and min(step.ids) < 0:  # placeholders: tokens the last step sampled
             # an eager step reruns the latest one (profiling) with the tokens it was given
             src = self._fed_tokens if step.eager else self.sampler.device_tokens()
             self._fed_tokens = src
-            idx = (-st.ids - 1).clamp_(0, src.numel() - 1)
-            st.ids.copy_(torch.where(st.ids < 0, src.index_select(0, idx), st.ids))
+            # a replay resolves them inside the graph, from `_graph_tokens`
+            if graph_size is None or not self._hold_graph_tokens(src):
+                st.ids.copy_(resolve_placeholders(st.ids, src))
         if step.draft:
             logits = self._execute_draft(step, st)
             if logits is not None and step.greedy:  # the next draft step's placeholders
                 self.sampler.greedy_on_device(logits)
             return logits
-        g = self.graphs
-        embeds = self._image_embeds(step, st)
-        if (
-            g is not None
-            and embeds is None
-            and not step.eager
-            and step.is_decode_only
-            and g.can_run(len(step.rows))
-        ):
-            hidden = g.run(st.packed[: 4 * len(step.rows)].view(4, -1))
+        if graph_size is not None:
+            g = self.graphs
+            if not st.staged:  # too long for the room after the static inputs
+                g.inputs_of(graph_size).copy_(
+                    st.packed[: NUM_INPUTS * graph_size].view(NUM_INPUTS, -1)
+                )
+            hidden = g.replay(len(step.rows))
         else:
+            embeds = self._image_embeds(step, st)
             md = self._step_metadata(step, st)
             extra = {"embeds": embeds} if embeds is not None else {}
             if self.prefill_threads and step.num_tokens >= PREFILL_STEP_TOKENS:
@@ -636,8 +679,36 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden.index_select(0, st.logit_rows))
         if step.greedy and not step.eager:
-            self.sampler.greedy_on_device(logits)
+            tokens = self.sampler.greedy_on_device(logits)
+            if self.graphs is not None:  # queued behind the LM head, not before the next replay
+                self._hold_graph_tokens(tokens)
         return logits
+
+    def _graph_size(self, step: StepInput) -> int | None:
+        """The padded batch size of the graph that replays `step` (None: it runs eagerly)."""
+        g = self.graphs
+        if (
+            g is None
+            or step.draft
+            or step.eager
+            or step.embed_rows  # images: their embeddings replace rows of the input
+            or not step.is_decode_only
+            or not g.can_run(len(step.rows))
+        ):
+            return None
+        return padded_size(len(step.rows), g.sizes)
+
+    def _hold_graph_tokens(self, tokens: torch.Tensor) -> bool:
+        """Make `_graph_tokens` hold `tokens` (copied unless it already does); False when they
+        do not fit."""
+        if tokens is self._graph_tokens_of:
+            return True
+        n = tokens.numel()
+        if n > self._graph_tokens.numel():
+            return False
+        self._graph_tokens[:n].copy_(tokens)
+        self._graph_tokens_of = tokens
+        return True
 
     # ---- images ------------------------------------------------------------------------------
     def _profile_images(self, base: int, prefill_peak: int) -> int:

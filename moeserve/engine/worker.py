@@ -166,6 +166,7 @@ def plan_settings(cfg: EngineConfig, tp_size: int) -> PlanSettings:
         page_size=cfg.cache.page_size,
         mla_decode_kernel=cfg.cache.mla_decode_kernel,
         enforce_eager=cfg.enforce_eager,
+        pdl=cfg.pdl,
         deterministic=cfg.load.deterministic,
         cpu_kernels=cfg.load.cpu_kernels,
         tp_size=tp_size,

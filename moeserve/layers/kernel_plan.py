@@ -35,6 +35,7 @@ TRITON_CAPABILITY = (8, 0)  # bf16 tensor cores
 # Triton allows e4m3 conversions (`fp8e4nv`) from sm_89 (triton/backends/nvidia/compiler.py)
 FP8_CONVERSION_CAPABILITY = (8, 9)
 BLACKWELL_CAPABILITY = (10, 0)
+PDL_CAPABILITY = (9, 0)  # griddepcontrol (programmatic dependent launch)
 # the block-scaled FP4 MMA (E2M1 x E2M1 with e4m3 scales per 16) each Blackwell family has
 NATIVE_FP4_MMA = {
     (10, 0): "tcgen05.mma kind::mxf4nvf4",
@@ -105,6 +106,7 @@ class PlanSettings:
     page_size: int = 16
     mla_decode_kernel: str = "auto"
     enforce_eager: bool = False
+    pdl: str = "off"
     deterministic: bool = False
     cpu_kernels: str = "auto"
     tp_size: int = 1
@@ -125,6 +127,7 @@ class KernelPlan:
     mla: str = "torch"  # "triton" (absorbed kernels), "native" (CPU) or "torch"
     mla_decode: str = "torch"  # "gluon", "gluon-prefer", "triton", "prefill" or "torch"
     router_fused: bool = False  # the one-launch gate GEMV + routing for one token
+    pdl: bool = False  # decode kernels launch with programmatic dependent launch (sm_90+)
     cpu_native: bool = False  # the native CPU kernels (bf16 activations)
     invariant: bool = False  # batch-invariant schedules (--deterministic)
     cuda_graphs: bool = False
@@ -365,6 +368,19 @@ def _gpu_plan(
         out.append(KernelChoice("CUDA graphs", "decode replayed", "every part is capturable"))
     if s.tp_size > 1 and s.interconnect is not None:  # the engine's banner states its own
         out.append(_all_reduce_choice(s))
+    pdl = triton and cap >= PDL_CAPABILITY and s.pdl == "on"
+    if triton and s.pdl == "on":
+        out.append(
+            KernelChoice(
+                "kernel launches",
+                "programmatic dependent launch" if pdl else "one after another",
+                "--pdl on: the next Triton kernel of the step launches while the previous one "
+                "drains"
+                if pdl
+                else f"--pdl on needs sm_{PDL_CAPABILITY[0]}{PDL_CAPABILITY[1]}",
+                fallback=not pdl,
+            )
+        )
     return KernelPlan(
         hardware=hw,
         choices=tuple(out),
@@ -374,6 +390,7 @@ def _gpu_plan(
         mla=mla,
         mla_decode=mla_decode,
         router_fused=router_fused,
+        pdl=pdl,
         invariant=s.deterministic and triton,
         cuda_graphs=not s.enforce_eager and not graph_blockers,
         kv_cache_dtype=kv,

@@ -58,6 +58,7 @@ class LinearBase(nn.Module):
         self.gpu_kernels = False  # Triton kernels on the stored format
         self.native_cpu = False  # the native CPU kernels
         self.batch_invariant = False  # --deterministic schedules
+        self.pdl = False  # GEMV kernels launch with programmatic dependent launch
         self.method.create_weights(self, self.local_input, self.local_output, dtype)
         if bias:
             self.bias = make_param(torch.zeros(self.local_output, dtype=dtype), 0, None)
@@ -121,6 +122,7 @@ class LinearBase(nn.Module):
         self.gpu_kernels = plan.quantized_linears == "triton"
         self.native_cpu = plan.cpu_native
         self.batch_invariant = plan.invariant
+        self.pdl = plan.pdl
 
     def prepare_cuda_graph(self, max_tokens: int, max_context: int, shared: dict) -> None:
         self.method.prepare_cuda_graph(self, max_tokens, shared)

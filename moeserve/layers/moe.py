@@ -207,9 +207,39 @@ class DeepseekMLP(nn.Module):
         self.native = plan.cpu_native
         self.silu_kernel = plan.triton
 
+    def _fused_nvfp4_gate_up(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) * up in one launch where gate and up are separate NVFP4 weights served
+        by the GPU kernels and x is a few rows (kernels/gemm/nvfp4_gate_up.py); else None."""
+        gate = getattr(self.gate_proj, "nvfp4_kernel_args", None)
+        up = getattr(self.up_proj, "nvfp4_kernel_args", None)
+        if gate is None or up is None or not x.is_cuda or self.gate_proj.batch_invariant:
+            return None
+        from moeserve.kernels.gemm import nvfp4_gate_up as gu
+        from moeserve.layers.quant.scheme import splitk_fits
+
+        x2 = x.reshape(-1, x.shape[-1])
+        n, k = gate[0].shape[0], x2.shape[-1]
+        if x2.shape[0] > gu.gate_up_max_rows(n, k) or gate[0].shape != up[0].shape:
+            return None
+        ws = getattr(self.gate_proj, "splitk_workspace", None)
+        if ws is not None and not splitk_fits(ws, x2.shape[0], 2 * n):
+            ws = None  # a bigger (eager) batch: the kernel allocates its own
+        h = gu.nvfp4_gate_up_silu(
+            x2.to(torch.bfloat16).contiguous(),
+            gate[:3],
+            up[:3],
+            ws,
+            decode=gate[3].decode,
+            pdl=self.gate_proj.pdl,
+        )
+        return h.to(x.dtype).reshape(*x.shape[:-1], n)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native = self.native and x.dtype == torch.bfloat16
         if self.gate_up_proj is None:
+            fused = self._fused_nvfp4_gate_up(x) if self.silu_kernel else None
+            if fused is not None:
+                return self.down_proj(fused)
             gate, up = self.gate_proj(x), self.up_proj(x)
             if native:
                 return self.down_proj(cpu_kernels.silu_mul(gate, up))
@@ -408,7 +438,10 @@ class RoutedExperts(nn.Module):
         tp: TPGroup,
         dtype: torch.dtype,
         num_shared: int = 0,
+        slots_per_token: int = 0,
     ) -> None:
+        """`slots_per_token`: routed experts per token plus the shared slots (sizes the fused
+        kernels' split-K counters; 0 leaves those kernels to allocate their own)."""
         super().__init__()
         self.layout = ExpertLayout.of(num_experts, tp, num_shared)
         self.num_experts = num_experts
@@ -418,7 +451,10 @@ class RoutedExperts(nn.Module):
         self._nvfp4_args: tuple[torch.Tensor, ...] | None = None
         self._elementwise_args: tuple[torch.Tensor | None, ...] | None = None
         self._hidden = hidden
-        # the fused kernels' one-token combine counters (zeroed; the kernel re-zeroes them)
+        self._intermediate = intermediate
+        self._slots_per_token = slots_per_token
+        # the fused kernels' one-token combine and split-K counters (zeroed; the kernels
+        # re-zero them)
         self._combine_counters: torch.Tensor | None = None
         # the kernel plan's choices (use_kernel_plan, before loading)
         self.fused = False  # the fused Triton MoE (else the per-expert loop)
@@ -427,11 +463,13 @@ class RoutedExperts(nn.Module):
         self.native = False
         # --deterministic: the fused kernels' tensor-core schedule at every token count
         self.batch_invariant = False
+        self.pdl = False  # the GEMV path launches with programmatic dependent launch
 
     def use_kernel_plan(self, plan: KernelPlan) -> None:
         self.fused = plan.moe == "fused"
         self.native = plan.cpu_native and self._hidden % 2 == 0 and self.w13.local_out % 2 == 0
         self.batch_invariant = plan.invariant
+        self.pdl = plan.pdl
 
     def process_weights_after_loading(self) -> None:
         """The fused kernel's arguments, once: the fused NVFP4 MoE (`_nvfp4_args`) or the
@@ -444,7 +482,9 @@ class RoutedExperts(nn.Module):
         from moeserve.kernels.moe.nvfp4 import combine_counters_needed
 
         self._combine_counters = torch.zeros(
-            combine_counters_needed(self._hidden), dtype=torch.int32, device=first.device
+            combine_counters_needed(self._hidden, self._intermediate, self._slots_per_token),
+            dtype=torch.int32,
+            device=first.device,
         )
         e13 = self.w13.scheme.elementwise_view(w13)
         e2 = self.w2.scheme.elementwise_view(self.w2.view())
@@ -572,6 +612,7 @@ class RoutedExperts(nn.Module):
                 out=add_to,
                 accumulate=add_to is not None,
                 combine_counters=self._combine_counters,
+                pdl=self.pdl,
                 **schedule,
             )
         if fused and self._elementwise_args is not None:
@@ -765,6 +806,7 @@ class DeepseekMoE(nn.Module):
             tp,
             dtype,
             num_shared=self.shared_slots,
+            slots_per_token=cfg.num_experts_per_tok + self.shared_slots,
         )
         if cfg.n_shared_experts and not self.shared_slots:
             self.shared_experts = DeepseekMLP(

@@ -22,9 +22,11 @@ class RMSNorm(nn.Module):
         self.weight = make_param(torch.ones(size, dtype=dtype), None, None)
         self.weight.weight_loader = copy_loader
         self.kernels = False  # the Triton norm kernels serve (the kernel plan)
+        self.pdl = False  # ... launched with programmatic dependent launch
 
     def use_kernel_plan(self, plan: KernelPlan) -> None:
         self.kernels = plan.triton
+        self.pdl = plan.pdl
 
     def _kernel_ok(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         if not (self.kernels and x.is_cuda and x.dim() == 2):
@@ -43,8 +45,8 @@ class RMSNorm(nn.Module):
             from moeserve.kernels.elementwise.norm import add_rmsnorm, rms_norm
 
             if residual is None:
-                return rms_norm(x, self.weight, self.eps)
-            return add_rmsnorm(x, residual, self.weight, self.eps)
+                return rms_norm(x, self.weight, self.eps, pdl=self.pdl)
+            return add_rmsnorm(x, residual, self.weight, self.eps, pdl=self.pdl)
         if residual is not None:
             x = x + residual
             residual = x

@@ -122,3 +122,97 @@ def test_moe_gemv_f16_products(m):
         x, ids, tw, w13, s13, g13, w2, s2, g2, kernel="gemv", gate_up_config=dict(cfg, F16=1)
     )
     _close(y, moe.fused_moe_nvfp4_ref(x, ids, tw, w13, s13, g13, w2, s2, g2))
+
+
+def _gate_up_ref(x, gate, up):
+    g = nv.nvfp4_gemm_ref(x, *gate).float()
+    u = nv.nvfp4_gemm_ref(x, *up).float()
+    return torch.nn.functional.silu(g) * u
+
+
+@pytest.mark.parametrize("split_k", [0, 1, 4])
+@pytest.mark.parametrize("m", [1, 3])
+def test_fused_gate_up_silu(m, split_k):
+    """The MLP's separate NVFP4 gate and up GEMVs with SiLU * up in one launch (global scales
+    a decade apart), against the fp32 reference; the split-K workspace is left zeroed."""
+    from moeserve.kernels.configs import tile_config
+    from moeserve.kernels.gemm import nvfp4_gate_up as gu
+    from moeserve.kernels.gemm.splitk import SplitKWorkspace
+
+    torch.manual_seed(300 + m)
+    n, k = 256, 1536
+    gate = fmt.quantize_nvfp4(torch.randn(n, k, device="cuda") * 0.2)
+    up = fmt.quantize_nvfp4(torch.randn(n, k, device="cuda") * 0.02)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ws = SplitKWorkspace.create(16 * 2 * n, 256, "cuda")
+    cfg = dict(tile_config(gu.TABLE, m, f"{n}x{k}"), SPLIT_K=split_k)
+    got = gu.nvfp4_gate_up_silu(x, gate, up, ws, config=cfg)
+    _close(got, _gate_up_ref(x, gate, up))
+    assert not ws.partial.any() and not ws.locks.any()
+
+
+def test_moe_split_k_replays_with_other_ranks_experts():
+    """The one-token GEMV with split-K (gate_up and down) in a CUDA graph replayed for several
+    routings, some slots another rank's (ids past E): each replay matches the reference on the
+    local slots, so the tile counters are back at zero after every launch."""
+    torch.manual_seed(9)
+    x, ids, tw, w = _moe_case(1)
+    e = w[0].shape[0]
+    counters = torch.zeros(
+        moe.combine_counters_needed(x.shape[1], w[0].shape[1] // 2, ids.shape[1]),
+        dtype=torch.int32,
+        device="cuda",
+    )
+    cfg = dict(MP=1, BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=1, SPLIT_K=4, DOWN_SPLIT_K=2)
+    out = torch.empty_like(x)
+    static_ids = ids.clone()
+    g = torch.cuda.CUDAGraph()
+    moe.fused_moe_nvfp4(x, static_ids, tw, *w, out=out, gate_up_config=cfg, kernel="gemv",
+                        combine_counters=counters)  # fmt: skip
+    with torch.cuda.graph(g):
+        moe.fused_moe_nvfp4(x, static_ids, tw, *w, out=out, gate_up_config=cfg, kernel="gemv",
+                            combine_counters=counters)  # fmt: skip
+    for seed in range(4):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        route = torch.randperm(e, device="cuda", generator=gen)[: ids.shape[1]].int()[None]
+        foreign = torch.arange(ids.shape[1], device="cuda")[None] < seed  # the first `seed` slots
+        static_ids.copy_(torch.where(foreign, route + e, route))
+        g.replay()
+        torch.cuda.synchronize()
+        local_tw = torch.where(foreign, torch.zeros_like(tw), tw)
+        _close(out, moe.fused_moe_nvfp4_ref(x, route, local_tw, *w))
+    assert not counters.any()
+
+
+def test_programmatic_dependent_launch_chain_in_a_graph():
+    """The decode MLP's kernels with PDL (--pdl on): add + RMSNorm -> fused gate/up SiLU ->
+    down GEMV -> fused MoE GEMV accumulating into it, each reading the previous one's output,
+    captured in one CUDA graph: bit-equal to the same graph without PDL."""
+    from moeserve.kernels.elementwise.norm import add_rmsnorm
+    from moeserve.kernels.gemm import nvfp4_gate_up as gu
+
+    torch.manual_seed(11)
+    x0, ids, tw, w = _moe_case(1)
+    h = x0.shape[1]
+    gate, up = (fmt.quantize_nvfp4(torch.randn(256, h, device="cuda") * 0.05) for _ in range(2))
+    down = fmt.quantize_nvfp4(torch.randn(h, 256, device="cuda") * 0.05)
+    res0 = torch.randn_like(x0)
+    norm_w = torch.rand(h, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def chain(pdl: bool) -> torch.Tensor:
+        out = torch.empty_like(x0)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y, _ = add_rmsnorm(x0, res0, norm_w, 1e-6, pdl=pdl)
+            a = gu.nvfp4_gate_up_silu(y, gate, up, pdl=pdl)
+            s = nv.nvfp4_gemm(a, *down, out=out, kernel="gemv", pdl=pdl)
+            moe.fused_moe_nvfp4(y, ids, tw, *w, out=s, accumulate=True, kernel="gemv", pdl=pdl)
+        g.replay()
+        torch.cuda.synchronize()
+        return out
+
+    plain = chain(False)
+    assert torch.equal(chain(True), plain)
+    y, _ = add_rmsnorm(x0, res0, norm_w, 1e-6)
+    ref = nv.nvfp4_gemm_ref(_gate_up_ref(y, gate, up).to(torch.bfloat16), *down).float()
+    _close(plain, ref + moe.fused_moe_nvfp4_ref(y, ids, tw, *w).float())

@@ -64,7 +64,9 @@ def _clear_rows(logits: torch.Tensor, bias: torch.Tensor, c: dict) -> torch.Tens
     return clear & ((top[:, c["k"] - 1] - top[:, c["k"]]) > CLEAR_MARGIN)
 
 
-def _check(x, r, c, w, ids, ws, slots: int) -> None:
+def _check(x, r, c, w, ids, ws, slots: int, min_clear: float = 0.5) -> int:
+    """The launch's routing against the references; returns how many rows were clearly
+    decided (compared with the fp32 references), at least `min_clear` of them."""
     k, e, t = c["k"], c["E"], x.shape[0]
     bias = r.e_score_correction_bias
     kw = _kw(c)
@@ -77,7 +79,7 @@ def _check(x, r, c, w, ids, ws, slots: int) -> None:
     torch.testing.assert_close(w, lw, rtol=1e-6, atol=1e-7)
     # the fp32 reference routing and the model's two-launch path, on clearly decided rows
     clear = _clear_rows(ref, bias, c)
-    assert clear.float().mean() >= 0.5
+    assert clear.float().mean() >= min_clear
     qw, qids = rk.route_ref(ref, bias, k, shared_slots=slots, **kw)
     assert torch.equal(ids[clear], qids[clear])
     torch.testing.assert_close(w[clear], qw[clear], rtol=1e-5, atol=1e-6)
@@ -93,6 +95,7 @@ def _check(x, r, c, w, ids, ws, slots: int) -> None:
     if slots:
         assert torch.equal(ids[:, k:].long().cpu(), torch.arange(e, e + slots).expand(t, slots))
         assert bool((w[:, k:] == 1).all())
+    return int(clear.sum())
 
 
 @pytest.mark.parametrize("slots", [0, 1])
@@ -126,6 +129,8 @@ def test_fused_router_cuda_graph_replays_with_new_x(name):
     c = CONFIGS[name]
     layers = [_router(c, seed=10 + i) for i in range(3)]  # three MoE layers in one graph
     ws = rf.RouterFusedWorkspace.create(c["E"], "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rows = clear = 0  # a single row may be a near tie: enough clear rows over all replays
     for t in (1, 3, rf.FUSED_MAX_TOKENS):
         xs = torch.zeros(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
         outs = [
@@ -159,7 +164,7 @@ def test_fused_router_cuda_graph_replays_with_new_x(name):
         with torch.cuda.graph(g):
             step()
         for _ in range(3):
-            x = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(t, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
             xs.copy_(x)
             g.replay()
             torch.cuda.synchronize()
@@ -177,4 +182,6 @@ def test_fused_router_cuda_graph_replays_with_new_x(name):
                     **_kw(c),
                 )
                 assert torch.equal(io, eids) and torch.equal(wo, ew)
-                _check(x, r, c, ew, eids, ws, slots=1)
+                clear += _check(x, r, c, ew, eids, ws, slots=1, min_clear=0.0)
+                rows += t
+    assert clear >= rows // 2

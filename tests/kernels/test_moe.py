@@ -98,6 +98,10 @@ def _gemv(mp):
         (2, 3, (dict(_gemv(1), BLOCK_K=16, STAGES=2), None), DECODE_BITS, "gemv"),
         (1, 3, (dict(_gemv(1), BLOCK_K=16, STAGES=2, F16=1), None), DECODE_BITS, "gemv"),
         (3, 3, (dict(_gemv(1), BLOCK_K=16, PREFETCH=2, F16=1), None), DECODE_BITS, "gemv"),
+        # split-K: gate_up in 3 K ranges, down in 2 (its 2 K tiles); one token, then aligned blocks
+        (1, 3, (dict(_gemv(1), BLOCK_K=16, SPLIT_K=3, STAGES=2), None), DECODE_BITS, "gemv"),
+        (1, 3, (dict(_gemv(1), BLOCK_K=16, SPLIT_K=2, F16=1), None), DECODE_BITS, "gemv"),
+        (5, 3, (dict(_gemv(1), BLOCK_K=16, SPLIT_K=3, DOWN_SPLIT_K=2), None), DECODE_BITS, "gemv"),
     ],
 )
 def test_fused_matches_reference(weights, m, k, cfgs, decode, kernel):
@@ -128,6 +132,26 @@ def test_fused_matches_reference(weights, m, k, cfgs, decode, kernel):
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_split_k_counters_are_left_zeroed(weights, m):
+    """The split-K tile counters live in the caller's zeroed scratch (after the combine's) and
+    must be zero again after each call, or the next call (a CUDA-graph replay) would miss its
+    last program: two calls in a row on one scratch both match the reference."""
+    e, h, i, (w13, s13, g13), (w2, s2, g2) = weights
+    cfg = dict(_gemv(1), BLOCK_K=16, SPLIT_K=3)
+    counters = torch.zeros(moe.combine_counters_needed(h, i, 3) * m, dtype=torch.int32)
+    for seed in (1, 2):
+        ids, tw = _route(m, e, 3, seed)
+        x = torch.randn(m, h).to(torch.bfloat16)
+        ref = moe.fused_moe_nvfp4_ref(x, ids, tw, w13, s13, g13, w2, s2, g2).float()
+        y = moe.fused_moe_nvfp4(
+            x, ids, tw, w13, s13, g13, w2, s2, g2, gate_up_config=cfg, kernel="gemv",
+            decode=DECODE_BITS, combine_counters=counters,
+        )  # fmt: skip
+        torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+        assert not counters.any()
+
+
 def test_shape_checks(weights):
     e, h, i, (w13, s13, g13), (w2, s2, g2) = weights
     ids, tw = _route(2, e, 2, 0)
@@ -138,7 +162,7 @@ def test_shape_checks(weights):
         moe.fused_moe_nvfp4(x, ids, tw, w13, s13, g13[:2], w2, s2, g2)
 
 
-@pytest.mark.parametrize("kernel,m", [("gemv", 6), ("gemv", 1), ("mma", 6)])
+@pytest.mark.parametrize("kernel,m", [("gemv", 6), ("gemv", 1), ("gemv-split", 1), ("mma", 6)])
 def test_other_ranks_experts_are_skipped_and_shared_output_accumulates(weights, kernel, m):
     """Expert parallelism: ids outside [0, E) are another rank's experts and add nothing
     (the oracle: the reference on the same slots with those slots' weights zeroed); the
@@ -157,7 +181,12 @@ def test_other_ranks_experts_are_skipped_and_shared_output_accumulates(weights, 
     tw_local = torch.where(foreign, torch.zeros_like(tw), tw)
     ref = moe.fused_moe_nvfp4_ref(x, ids, tw_local, w13, s13, g13, w2, s2, g2).float()
     ref = ref + shared.float()
-    cfgs = (_gemv(2), None) if kernel == "gemv" else (GU, DN)
+    cfgs = {
+        "gemv": (_gemv(2), None),
+        "gemv-split": (dict(_gemv(1), BLOCK_K=16, SPLIT_K=3), None),
+        "mma": (GU, DN),
+    }[kernel]
+    kernel = kernel.split("-")[0]
     out = shared.clone()
     y = moe.fused_moe_nvfp4(
         x,

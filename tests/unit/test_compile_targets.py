@@ -68,8 +68,10 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
 
     from moeserve.kernels.attention import kv_cache, mla_absorb, mla_decode, mla_prefill
     from moeserve.kernels.comm import allreduce as ar
+    from moeserve.kernels.configs import tile_config
     from moeserve.kernels.elementwise import activation, norm
     from moeserve.kernels.gemm import fp8_block_gemm as fg
+    from moeserve.kernels.gemm import nvfp4_gate_up as gu
     from moeserve.kernels.gemm import nvfp4_gemm as ng
     from moeserve.kernels.moe import fp8 as mf
     from moeserve.kernels.moe import nvfp4 as mn
@@ -150,7 +152,8 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
         @add("NVFP4 linears", ("nvfp4_gemv._nvfp4_gemv_kernel",
                                "nvfp4_gemv_mma._nvfp4_gemv_mma_kernel",
                                "nvfp4_gemm._nvfp4_gemm_kernel",
-                               "nvfp4_gemv._nvfp4_dequant_kernel"))  # fmt: skip
+                               "nvfp4_gemv._nvfp4_dequant_kernel",
+                               "nvfp4_gate_up._gate_up_silu_gemv_kernel"))  # fmt: skip
         def _() -> None:
             n, k = 2 * dense, h  # the dense MLP's gate_up
             for kernel, m in (("gemv", DECODE), ("gemv_mma", SMALL_BATCH), ("mma", MID_BATCH),
@@ -158,6 +161,9 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
                 w, s = t(n, k // 2, dtype=u8), t(n, k // 16, dtype=e4m3)
                 # the decode the start-up probe tries first (inline PTX)
                 ng.nvfp4_gemm(t(m, k), w, s, t(1, dtype=f32), kernel=kernel, decode=ng.DECODE_ASM)
+            # separate gate and up weights (own global scales) into SiLU * up, one launch
+            gate = (t(dense, k // 2, dtype=u8), t(dense, k // 16, dtype=e4m3), t(1, dtype=f32))
+            gu.nvfp4_gate_up_silu(t(DECODE, k), gate, gate, decode=ng.DECODE_ASM)
 
     if kp.quantized_linears == "triton" and fmt == "fp8-block":
 
@@ -189,6 +195,16 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
                     t(slots, h, inter // 16, dtype=e4m3), t(slots, dtype=f32),
                     kernel=kernel, decode=ng.DECODE_ASM,
                 )  # fmt: skip
+            # one token with split-K (the config of an expert-parallel rank's few experts)
+            split = dict(tile_config("moe_gemv", DECODE, f"48:{2 * inter}x{h}"),
+                         SPLIT_K=4, DOWN_SPLIT_K=2)  # fmt: skip
+            mn.fused_moe_nvfp4(
+                t(DECODE, h), t(DECODE, width, dtype=i32), t(DECODE, width, dtype=f32),
+                t(slots, 2 * inter, h // 2, dtype=u8), t(slots, 2 * inter, h // 16, dtype=e4m3),
+                t(slots, dtype=f32), t(slots, h, inter // 2, dtype=u8),
+                t(slots, h, inter // 16, dtype=e4m3), t(slots, dtype=f32),
+                kernel="gemv", decode=ng.DECODE_ASM, gate_up_config=split,
+            )  # fmt: skip
 
     if kp.moe == "fused" and fmt == "fp8-block":
 

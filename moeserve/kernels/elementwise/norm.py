@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.pdl import pdl_launch, pdl_start
+
 # a row is held in registers: beyond this many columns the block would spill
 MAX_COLS = 32768
 
@@ -58,13 +60,20 @@ def _rms_norm_kernel(
     eps,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     # the weight first: at batch 1 it comes from HBM (the step's GEMVs evicted it from L2),
-    # and its latency then overlaps the activation loads and the reduction
+    # and its latency then overlaps the activation loads and the reduction (and, with PDL,
+    # the previous kernel's drain)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    z = pdl_start(PDL)
+    x_ptr += z
+    r_ptr += z
+    y_ptr += z
+    ro_ptr += z
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -136,9 +145,14 @@ def _check_x(x: torch.Tensor) -> tuple[int, int]:
 
 # ---- wrappers -----------------------------------------------------------------------------------
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """RMSNorm of each row of ``x [T, N]``; writes ``out`` (default: a new tensor like x)."""
+    """RMSNorm of each row of ``x [T, N]``; writes ``out`` (default: a new tensor like x).
+    ``pdl``: launched with programmatic dependent launch (kernels/pdl.py)."""
     rows, cols = _check_x(x)
     _check_weight("weight", weight, cols)
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
@@ -150,7 +164,8 @@ def rms_norm(
         x, x, weight, out, out,
         x.stride(0), 0, out.stride(0), 0,
         cols, float(eps),
-        HAS_RES=False, BLOCK=block, num_warps=_num_warps(block),
+        HAS_RES=False, BLOCK=block, PDL=pdl_launch(pdl), num_warps=_num_warps(block),
+        launch_pdl=pdl_launch(pdl),
     )  # fmt: skip
     return out
 
@@ -162,6 +177,7 @@ def add_rmsnorm(
     eps: float,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual) in one launch; the sum is computed in fp32 and
     stored in the activation dtype. ``out=x`` / ``residual_out=residual`` write in place."""
@@ -182,7 +198,8 @@ def add_rmsnorm(
         x, residual, weight, out, residual_out,
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
         cols, float(eps),
-        HAS_RES=True, BLOCK=block, num_warps=_num_warps(block),
+        HAS_RES=True, BLOCK=block, PDL=pdl_launch(pdl), num_warps=_num_warps(block),
+        launch_pdl=pdl_launch(pdl),
     )  # fmt: skip
     return out, residual_out
 

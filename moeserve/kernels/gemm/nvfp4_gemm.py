@@ -453,6 +453,7 @@ def nvfp4_gemm(
     decode: int | None = None,
     kernel: str | None = None,
     plan: Nvfp4GemmPlan | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """W4A16 GEMM: x [M, K] bf16 @ dequant(W [N, K])^T -> out [M, N] bf16 (fp32 accumulate).
 
@@ -462,7 +463,8 @@ def nvfp4_gemm(
     `kernel`: "gemv" (CUDA cores, nvfp4_gemv.py), "gemv_mma" (register-fed mma.sync,
     nvfp4_gemv_mma.py, GPU only), "mma" (tensor cores, below), "dequant" (bf16 weight chunks +
     cuBLAS) or None: see _default_kernel. `plan` (plan_nvfp4_gemm of this weight) stands for
-    the choices made when kernel, config or decode are None.
+    the choices made when kernel, config or decode are None. `pdl`: the CUDA-core GEMV
+    launches with programmatic dependent launch (kernels/pdl.py).
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be [M, K] with unit stride along K, got {tuple(x.shape)}")
@@ -505,6 +507,8 @@ def nvfp4_gemm(
     if kernel == "gemv_mma":
         return _gemv_mma.nvfp4_gemv_mma(x, packed, scale, gs, out, workspace, cfg)
     if kernel == "gemv":
+        if pdl:
+            cfg = {**cfg, "PDL": 1}
         return _gemv.nvfp4_gemv(x, packed, scale, gs, out, workspace, cfg, dec)
     if kernel == "dequant":
         return _gemv.nvfp4_dequant_matmul(x, packed, scale, gs, out, cfg, dec)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from moeserve.kernels.gemm.e2m1_ptx import decode_pairs_ptx
 from moeserve.kernels.gemm.splitk import (
@@ -36,6 +36,7 @@ from moeserve.kernels.gemm.splitk import (
     split_k_plan,
     splitk_buffers,
 )
+from moeserve.kernels.pdl import pdl_wait
 
 GEMV_F16_EXP = tl.constexpr(14)  # decoded f16 values are E2M1 * 2^-14
 
@@ -388,7 +389,7 @@ def gemv_accumulate(
         # no tl.dot): tiles stream through STAGES shared-memory buffers by cp.async, so the
         # bytes in flight per SM no longer cost registers (register prefetch capped them)
         if PDL:
-            gdc_wait()
+            x_rows = _after_wait(x_rows)
         if F16:
             xss, xinvs = _x_scales(x_rows, oks, kw_begin, K, BW, MP, K_ITERS)
         # The one-byte scale loads cannot go through cp.async (4 bytes at least), so they are
@@ -408,7 +409,7 @@ def gemv_accumulate(
     q, s8 = _load_words(w_rows, s_rows, n_mask, kw0, KW, BW, EVEN)
     q1, s81 = _load_words(w_rows, s_rows, n_mask, tl.minimum(kw0 + BW, kw_last), KW, BW, EVEN)
     if PDL:
-        gdc_wait()  # the previous kernel's writes (x, out, workspace) are visible after this
+        x_rows = _after_wait(x_rows)  # the previous kernel's writes are visible from here
     if F16:
         xss, xinvs = _x_scales(x_rows, oks, kw_begin, K, BW, MP, K_ITERS)
     for _ in range(K_ITERS):
@@ -423,6 +424,14 @@ def gemv_accumulate(
             q1, s81 = _load_words(w_rows, s_rows, n_mask, kw2, KW, BW, EVEN)
         kw0 += BW
     return _unscale_x(accs, xinvs)
+
+
+@triton.jit
+def _after_wait(x_rows):
+    """Wait for the previous kernel (PDL); x_rows tied to the wait (kernels/pdl.py)."""
+    z = pdl_wait()
+    x0, x1, x2, x3 = x_rows
+    return (x0 + z, x1 + z, x2 + z, x3 + z)
 
 
 @triton.jit
@@ -472,7 +481,7 @@ def _nvfp4_gemv_kernel(
     Grid (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, MP)). With SPLIT_K > 1 the partial sums meet in
     the zeroed fp32 workspace; the last program of a tile writes out and re-zeroes it.
     PDL (launched with programmatic stream serialization): the next kernel may launch once
-    every program has started, and this one reads only weights before `gdc_wait`."""
+    every program has started, and this one reads only weights before it waits (kernels/pdl.py)."""
     if PDL:
         gdc_launch_dependents()
     BW: tl.constexpr = BLOCK_K // 8

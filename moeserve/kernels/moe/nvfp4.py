@@ -47,6 +47,7 @@ from moeserve.kernels.gemm.nvfp4_gemv_mma import (
     mma_supported,
 )
 from moeserve.kernels.gemm.splitk import ACC_FIX_EXP, interpreting, slot_x_rows
+from moeserve.kernels.pdl import pdl_launch, pdl_start
 
 ALIGN_CHUNK = 1024  # slots handled per vector step inside the single-program align kernel
 ALIGN_BCHUNK = 32  # blocks per step when mapping blocks to experts ([32, E] compare)
@@ -308,11 +309,40 @@ def block_slots(sorted_ptr, pid_b, Mk, MP: tl.constexpr, DIRECT: tl.constexpr = 
 @triton.jit
 def _store_gate_up(acc, slot, Mk, gs, inter_ptr, offs_n, INTER, BLOCK_N: tl.constexpr):
     """acc [2*BLOCK_N, BW/2] (gate rows, then up rows) -> inter[slot, offs_n] = silu(g) * u."""
-    v = tl.sum(acc, axis=1) * gs
+    _store_gate_up_sum(tl.sum(acc, axis=1), slot, Mk, gs, inter_ptr, offs_n, INTER, BLOCK_N)
+
+
+@triton.jit
+def _store_gate_up_sum(v, slot, Mk, gs, inter_ptr, offs_n, INTER, BLOCK_N: tl.constexpr):
+    """v [2*BLOCK_N] row sums (gate rows, then up rows) -> inter[slot, offs_n]."""
+    v = v * gs
     g, u = tl.split(tl.permute(tl.reshape(v, (2, BLOCK_N)), (1, 0)))
     h = g / (1.0 + tl.exp(-g)) * u
     ptrs = inter_ptr + slot.to(tl.int64) * INTER + offs_n
     tl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=(offs_n < INTER) & (slot < Mk))
+
+
+@triton.jit
+def split_k_total(
+    acc, ws_ptr, cnt_ptr, tile, num_tiles, pid_k, W: tl.constexpr, SPLIT_K: tl.constexpr
+):
+    """Split-K exchange of one tile's row sums (acc [W, *] -> [W]): each of the tile's SPLIT_K
+    programs stores its partial in the workspace (no zeroing needed) and arrives at the tile's
+    counter; the last to arrive gets (True, the partials summed in split order: the same
+    total whatever the arrival order) and re-zeroes the counter; the others get (False, _)."""
+    offs = tl.arange(0, W)
+    tl.store(ws_ptr + (pid_k * num_tiles + tile).to(tl.int64) * W + offs, tl.sum(acc, axis=1))
+    tl.debug_barrier()  # every thread's partial precedes the release below
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros((W,), dtype=tl.float32)
+    if last:
+        for j in tl.static_range(SPLIT_K):
+            # .cg: other SMs wrote these partials; read them from L2, never a stale L1 line
+            part = ws_ptr + (j * num_tiles + tile).to(tl.int64) * W + offs
+            total += tl.load(part, cache_modifier=".cg")
+        tl.store(cnt_ptr + tile, 0)
+    return last, total
 
 
 @triton.jit
@@ -329,6 +359,8 @@ def _moe_gate_up_gemv_kernel(
     INTER,
     H,
     stride_xm,
+    ws_ptr,
+    cnt_ptr,
     TOPK: tl.constexpr,
     MP: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -340,13 +372,28 @@ def _moe_gate_up_gemv_kernel(
     F16: tl.constexpr = 0,
     DIRECT: tl.constexpr = 0,
     EVEN: tl.constexpr = 0,
+    SPLIT_K: tl.constexpr = 1,
+    PDL: tl.constexpr = 0,
 ):
     """CUDA-core decode path of _moe_gate_up_kernel: block pid(0) (MP slots of one expert),
     gate rows and up rows of column tile pid(1) decoded as one [2*BLOCK_N] row tile, so every
     x element loaded serves both. Blocks vary fastest: the blocks of one expert read the same
-    weight tile at about the same time, from L2 after the first."""
+    weight tile at about the same time, from L2 after the first.
+    SPLIT_K > 1 (MP == 1): pid(2) takes K_ITERS of the K tiles; the partial sums meet in the
+    workspace `ws_ptr` [SPLIT_K, blocks x column tiles, 2*BLOCK_N] and the tile's last
+    program applies SiLU (split_k_total). For few experts per rank (expert parallelism):
+    more programs in flight, each with a shorter K loop.
+    PDL: waits for the previous kernel (the router: the experts) first (kernels/pdl.py)."""
+    z = pdl_start(PDL)
+    x_ptr += z
+    inter_ptr += z
+    sorted_ptr += z
+    expert_ids_ptr += z
+    ws_ptr += z
+    cnt_ptr += z
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     expert = block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
     if expert < 0:
         return
@@ -366,7 +413,7 @@ def _moe_gate_up_gemv_kernel(
         w_rows,
         s_rows,
         n_ok,
-        0,
+        pid_k * K_ITERS * BW,
         KW,
         H,
         2 * BLOCK_N,
@@ -382,6 +429,15 @@ def _moe_gate_up_gemv_kernel(
     )
     gs = tl.load(gs_ptr + expert) * (2.0**GEMV_F16_EXP)
     on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SPLIT_K > 1:
+        n_tiles = tl.num_programs(1)
+        tile = pid_b * n_tiles + pid_n
+        last, total = split_k_total(
+            acc0, ws_ptr, cnt_ptr, tile, tl.num_programs(0) * n_tiles, pid_k, 2 * BLOCK_N, SPLIT_K
+        )
+        if last:
+            _store_gate_up_sum(total, s0, Mk, gs, inter_ptr, on, INTER, BLOCK_N)
+        return
     _store_gate_up(acc0, s0, Mk, gs, inter_ptr, on, INTER, BLOCK_N)
     if MP > 1:
         _store_gate_up(acc1, s1, Mk, gs, inter_ptr, on, INTER, BLOCK_N)
@@ -431,9 +487,14 @@ def combine_if_last(
 
 @triton.jit
 def _store_down(acc, slot, Mk, gs, topk_w_ptr, y_ptr, offs_n, H):
+    _store_down_sum(tl.sum(acc, axis=1), slot, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
+
+
+@triton.jit
+def _store_down_sum(v, slot, Mk, gs, topk_w_ptr, y_ptr, offs_n, H):
     ok = slot < Mk
     wt = tl.load(topk_w_ptr + slot, mask=ok, other=0.0)
-    v = tl.sum(acc, axis=1) * (gs * wt)
+    v = v * (gs * wt)
     tl.store(y_ptr + slot.to(tl.int64) * H + offs_n, v, mask=(offs_n < H) & ok)
 
 
@@ -453,6 +514,8 @@ def _moe_down_gemv_kernel(
     Mk,
     H,
     INTER,
+    ws_ptr,
+    cnt_ptr,
     MP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -465,15 +528,29 @@ def _moe_down_gemv_kernel(
     COMBINE: tl.constexpr = 0,  # 0, or the token's slots rounded up to a power of two
     ACCUMULATE: tl.constexpr = 0,
     EVEN: tl.constexpr = 0,
+    SPLIT_K: tl.constexpr = 1,
+    PDL: tl.constexpr = 0,
 ):
     """CUDA-core decode path of _moe_down_kernel (same outputs), grid like the gate_up GEMV.
     COMBINE (direct blocks only): the combine too, out = sum of the slots' rows (see
-    combine_if_last)."""
+    combine_if_last). SPLIT_K > 1 (MP == 1): as in the gate_up GEMV; the last program of a
+    tile stores its rows and arrives for the combine. PDL: as in the gate_up GEMV."""
+    z = pdl_start(PDL)
+    a_ptr += z
+    y_ptr += z
+    sorted_ptr += z
+    expert_ids_ptr += z
+    topk_w_ptr += z
+    out_ptr += z
+    counter_ptr += z
+    ws_ptr += z
+    cnt_ptr += z
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     expert = block_expert(expert_ids_ptr, pid_b, num_experts, DIRECT)
     if expert < 0:
-        if COMBINE:
+        if COMBINE and pid_k == 0:
             combine_if_last(
                 counter_ptr, y_ptr, expert_ids_ptr, out_ptr, Mk, H, num_experts, pid_n,
                 BLOCK_N, COMBINE, ACCUMULATE,
@@ -491,7 +568,7 @@ def _moe_down_gemv_kernel(
         w_ptr + rows * KW,
         s_ptr + rows * (KW // 2),
         (offs_n < H)[:, None],
-        0,
+        pid_k * K_ITERS * BW,
         KW,
         INTER,
         BLOCK_N,
@@ -506,6 +583,20 @@ def _moe_down_gemv_kernel(
         EVEN,
     )
     gs = tl.load(gs_ptr + expert) * (2.0**GEMV_F16_EXP)
+    if SPLIT_K > 1:
+        n_tiles = tl.num_programs(1)
+        tile = pid_b * n_tiles + pid_n
+        last, total = split_k_total(
+            acc0, ws_ptr, cnt_ptr, tile, tl.num_programs(0) * n_tiles, pid_k, BLOCK_N, SPLIT_K
+        )
+        if last:
+            _store_down_sum(total, s0, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
+            if COMBINE:
+                combine_if_last(
+                    counter_ptr, y_ptr, expert_ids_ptr, out_ptr, Mk, H, num_experts, pid_n,
+                    BLOCK_N, COMBINE, ACCUMULATE,
+                )  # fmt: skip
+        return
     _store_down(acc0, s0, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
     if MP > 1:
         _store_down(acc1, s1, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
@@ -702,10 +793,18 @@ def moe_align(
     return sorted_ids, expert_ids
 
 
-def combine_counters_needed(hidden: int) -> int:
-    """Elements of the zeroed scratch that one-token GEMV calls combine with: one counter per
-    column tile of the down launch, whatever its tile width (>= 1 column)."""
-    return hidden
+SPLIT_MIN_COLUMNS = 8  # the narrowest column tile a split-K GEMV launch may use
+
+
+def combine_counters_needed(hidden: int, intermediate: int = 0, topk: int = 0) -> int:
+    """Elements of the zeroed scratch that one-token GEMV calls use: one counter per column
+    tile of the down launch for the combine, whatever its tile width (>= 1 column), then,
+    given the expert shapes and slots per token, one per (slot, column tile) of each
+    split-K launch (tiles >= SPLIT_MIN_COLUMNS wide)."""
+    split = topk * (
+        triton.cdiv(intermediate, SPLIT_MIN_COLUMNS) + triton.cdiv(hidden, SPLIT_MIN_COLUMNS)
+    )
+    return hidden + split
 
 
 @dataclass(frozen=True)
@@ -718,12 +817,23 @@ class CombineInto:
     counters: torch.Tensor | None = None
 
     def counters_for(self, hidden: int, block_n: int, device: torch.device) -> torch.Tensor:
-        tiles = triton.cdiv(hidden, block_n)
+        return self.scratch(0, triton.cdiv(hidden, block_n), device)
+
+    def scratch(self, offset: int, n: int, device: torch.device) -> torch.Tensor:
+        """n zeroed int32 counters at `offset` of the caller's scratch (or fresh ones)."""
         if self.counters is None:
-            return torch.zeros(tiles, dtype=torch.int32, device=device)
-        if self.counters.numel() < tiles or self.counters.dtype != torch.int32:
-            raise ValueError(f"combine_counters must be int32 with >= {tiles} elements")
-        return self.counters
+            return torch.zeros(n, dtype=torch.int32, device=device)
+        if self.counters.numel() < offset + n or self.counters.dtype != torch.int32:
+            raise ValueError(f"combine_counters must be int32 with >= {offset + n} elements")
+        return self.counters[offset : offset + n]
+
+
+def gemv_split(config_split: int, mp: int, k_tiles: int) -> tuple[int, int]:
+    """(programs per output tile, K tiles each) of a GEMV launch: the config's split-K (one
+    slot per block only), rounded so that no program gets an empty K range."""
+    split = max(1, min(config_split, k_tiles)) if mp == 1 else 1
+    k_iters = triton.cdiv(k_tiles, split)
+    return triton.cdiv(k_tiles, k_iters), k_iters
 
 
 def gemv_blocks(
@@ -783,6 +893,7 @@ def fused_moe_nvfp4(
     kernel: str | None = None,
     accumulate: bool = False,
     combine_counters: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Fused NVFP4 MoE, see the module docstring for layouts. Graph-capturable (no host sync);
     temporaries come from the caching allocator (the graph's pool under capture).
@@ -791,9 +902,10 @@ def fused_moe_nvfp4(
     mma.sync, blocks of up to 8 slots, GPU only), "mma" (tensor-core tl.dot) or None:
     gemv_mma between tiles.json's "moe_gemv_mma" min_m and max_m tokens (where the shapes
     allow and the start-up probe passed), else GEMV up to "moe_gemv"'s max_m, else mma.
-    `combine_counters`: zeroed int32 scratch of at least `combine_counters_needed(H)`
+    `combine_counters`: zeroed int32 scratch of at least `combine_counters_needed(H, I, k)`
     elements that one-token GEMV calls use to combine inside the down launch (left zeroed
-    again); allocated per call when not given."""
+    again); allocated per call when not given. `pdl`: the GEMV path's launches use
+    programmatic dependent launch (kernels/pdl.py)."""
     _check_moe_args(x, topk_ids, topk_weights, w13, w13_scale, w13_gs, w2, w2_scale, w2_gs)
     topk_ids = topk_ids.to(torch.int32).contiguous()  # no-op for the router's output
     m, h = x.shape
@@ -826,6 +938,7 @@ def fused_moe_nvfp4(
             cfg,
             dec,
             CombineInto(out, accumulate, combine_counters),
+            pdl,
         )
         if y is None:  # combined by the down launch
             return out
@@ -864,7 +977,7 @@ def fused_moe_nvfp4(
     return out
 
 
-def _moe_gemv(x, topk_ids, tw, weights, cfg, dec, into: CombineInto):
+def _moe_gemv(x, topk_ids, tw, weights, cfg, dec, into: CombineInto, pdl: bool = False):
     """Align into blocks of MP slots, then the two CUDA-core GEMV kernels -> y [M*k, H] fp32;
     None where the down launch also combined into `into.out` (one token)."""
     w13, w13_scale, w13_gs, w2, w2_scale, w2_gs = weights
@@ -878,7 +991,22 @@ def _moe_gemv(x, topk_ids, tw, weights, cfg, dec, into: CombineInto):
     nb = expert_ids.numel()
     inter = torch.empty(mk, inter_size, dtype=x.dtype, device=x.device)
     y = torch.empty(mk, h, dtype=torch.float32, device=x.device)
-    _moe_gate_up_gemv_kernel[(nb, triton.cdiv(inter_size, bn))](
+    bn2 = cfg.get("DOWN_BLOCK_N", bn)
+    split13, kit13 = gemv_split(cfg.get("SPLIT_K", 1), mp, triton.cdiv(h, bk))
+    split2, kit2 = gemv_split(
+        cfg.get("DOWN_SPLIT_K", cfg.get("SPLIT_K", 1)), mp, triton.cdiv(inter_size, bk)
+    )
+    tiles13, tiles2 = nb * triton.cdiv(inter_size, bn), nb * triton.cdiv(h, bn2)
+    # split-K partials (written before they are read: no zeroing) and tile counters, the
+    # latter after the combine's counters in the caller's zeroed scratch
+    ws13 = ws2 = cnt13 = cnt2 = y
+    if split13 > 1:
+        ws13 = torch.empty(split13 * tiles13 * 2 * bn, dtype=torch.float32, device=x.device)
+        cnt13 = into.scratch(h, tiles13, x.device)
+    if split2 > 1:
+        ws2 = torch.empty(split2 * tiles2 * bn2, dtype=torch.float32, device=x.device)
+        cnt2 = into.scratch(h + (tiles13 if split13 > 1 else 0), tiles2, x.device)
+    _moe_gate_up_gemv_kernel[(nb, triton.cdiv(inter_size, bn), split13)](
         x,
         w13.view(torch.int32),
         w13_scale.view(torch.uint8),
@@ -891,23 +1019,27 @@ def _moe_gemv(x, topk_ids, tw, weights, cfg, dec, into: CombineInto):
         inter_size,
         h,
         x.stride(0),
+        ws13,
+        cnt13,
         TOPK=topk,
         MP=mp,
         BLOCK_N=bn,
         BLOCK_K=bk,
-        K_ITERS=triton.cdiv(h, bk),
+        K_ITERS=kit13,
         DECODE=dec,
         PREFETCH=cfg.get("PREFETCH", 1),
         STAGES=cfg.get("STAGES", 0),
         F16=cfg.get("F16", 0),
         DIRECT=direct,
-        EVEN=int(h % bk == 0 and inter_size % bn == 0),
+        EVEN=int(split13 * kit13 * bk == h and inter_size % bn == 0),
+        SPLIT_K=split13,
+        PDL=int(pdl_launch(pdl)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        launch_pdl=pdl_launch(pdl),
     )
-    bn2 = cfg.get("DOWN_BLOCK_N", bn)
     counters = into.counters_for(h, bn2, x.device) if direct else None
-    _moe_down_gemv_kernel[(nb, triton.cdiv(h, bn2))](
+    _moe_down_gemv_kernel[(nb, triton.cdiv(h, bn2), split2)](
         inter,
         w2.view(torch.int32),
         w2_scale.view(torch.uint8),
@@ -922,10 +1054,12 @@ def _moe_gemv(x, topk_ids, tw, weights, cfg, dec, into: CombineInto):
         mk,
         h,
         inter_size,
+        ws2,
+        cnt2,
         MP=mp,
         BLOCK_N=bn2,
         BLOCK_K=bk,
-        K_ITERS=triton.cdiv(inter_size, bk),
+        K_ITERS=kit2,
         DECODE=dec,
         PREFETCH=cfg.get("PREFETCH", 1),
         STAGES=cfg.get("STAGES", 0),
@@ -933,9 +1067,12 @@ def _moe_gemv(x, topk_ids, tw, weights, cfg, dec, into: CombineInto):
         DIRECT=direct,
         COMBINE=triton.next_power_of_2(mk) if direct else 0,
         ACCUMULATE=into.accumulate,
-        EVEN=int(inter_size % bk == 0 and h % bn2 == 0),
+        EVEN=int(split2 * kit2 * bk == inter_size and h % bn2 == 0),
+        SPLIT_K=split2,
+        PDL=int(pdl_launch(pdl)),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        launch_pdl=pdl_launch(pdl),
     )
     return None if direct else y
 

@@ -145,7 +145,7 @@ class Nvfp4LinearMethod(SchemeLinearMethod):
         ws = getattr(layer, "splitk_workspace", None)
         if ws is not None and not splitk_fits(ws, x2.shape[0], layer.local_output):
             ws = None  # a bigger (eager) batch: the kernel allocates its own
-        y = nv.nvfp4_gemm(x2, packed, scale, gs, workspace=ws, plan=plan)
+        y = nv.nvfp4_gemm(x2, packed, scale, gs, workspace=ws, plan=plan, pdl=layer.pdl)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
