@@ -4,7 +4,7 @@ before each: where a batch-1 step's time goes, kernel by kernel.
 Run on the GPU machine from the repository root:
   PYTHONPATH=$PWD python benchmarks/decode_kernels.py [deepseek-v3-fp8] [kimi-k2.5-nvfp4]
       [--rank tp8-ep]   (one GPU holding rank 0's share, as in decode_layer.py --rank)
-      [KEY=VALUE ...]   (engine settings, e.g. pdl=off)
+      [KEY=VALUE ...]   (engine settings, e.g. pdl=on)
 
 Method: the engine of benchmarks/decode_layer.py (dummy weights in the serving format, CUDA
 graphs) with one MoE layer (DeepSeek-V3: 3 dense + 1 MoE, Kimi-K2.5: 1 + 1), one 64-token
@@ -19,10 +19,8 @@ from __future__ import annotations
 import sys
 
 import torch
-from decode_layer import CONFIGS, OPTIONAL, PROMPT, _engine, _setting
+from decode_layer import CONFIGS, OPTIONAL, _setting, warm_single_request
 from torch.profiler import ProfilerActivity, profile
-
-from moeserve.sampling import SamplingParams
 
 WARMUP_STEPS = 12
 TRACED_STEPS = 10
@@ -34,14 +32,8 @@ def step_kernels(
 ) -> list[tuple[int, int, str]]:
     """(start ns, end ns, name) of the device activities of one batch-1 decode step."""
     settings = dict(settings or {}, **({"simulate_rank": rank} if rank else {}))
-    engine = _engine({**CONFIGS, **OPTIONAL}[name], layers, 0, **settings)
-    params = SamplingParams(
-        max_tokens=WARMUP_STEPS + TRACED_STEPS + 8, temperature=0, ignore_eos=True
-    )
-    engine.add_request("r0", list(range(10, 10 + PROMPT)), params)
-    for _ in range(WARMUP_STEPS):
-        engine.step()
-    torch.cuda.synchronize()
+    path = {**CONFIGS, **OPTIONAL}[name]
+    engine = warm_single_request(path, layers, WARMUP_STEPS, TRACED_STEPS, **settings)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(TRACED_STEPS):
             engine.step()

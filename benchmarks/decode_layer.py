@@ -98,6 +98,20 @@ def _engine(path: Path, layers: int, profile_steps: int, tp: int = 1, ep: bool =
     )
 
 
+def warm_single_request(path: Path, layers: int, warmup: int, more: int, **settings):
+    """An engine decoding one greedy 64-token-prompt request, `warmup` steps in, with `more`
+    steps left to take (`settings`: engine settings, e.g. simulate_rank)."""
+    from moeserve.sampling import SamplingParams
+
+    engine = _engine(path, layers, 0, **settings)
+    params = SamplingParams(max_tokens=warmup + more + 8, temperature=0, ignore_eos=True)
+    engine.add_request("r0", list(range(10, 10 + PROMPT)), params)
+    for _ in range(warmup):
+        engine.step()
+    torch.cuda.synchronize()
+    return engine
+
+
 def _decode_ms(engine, batch: int) -> tuple[float, dict]:
     """Median wall ms per decode step of `batch` sequences, and the decode profile."""
     from moeserve.engine.profile import DecodeProfiler

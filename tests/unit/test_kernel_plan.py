@@ -58,14 +58,19 @@ def _held(plan: KernelPlan, model: torch.nn.Module) -> list[str]:
         if isinstance(m, LinearBase):
             ok = m.gpu_kernels == (plan.quantized_linears == "triton")
             ok = ok and m.native_cpu == plan.cpu_native and m.batch_invariant == plan.invariant
+            ok = ok and m.pdl == plan.pdl
         elif isinstance(m, RMSNorm):
-            ok = m.kernels == plan.triton
+            ok = m.kernels == plan.triton and m.pdl == plan.pdl
         elif isinstance(m, MLAAttention):
             gluon = {"gluon": "always", "gluon-prefer": "prefer"}.get(plan.mla_decode)
             ok = m.use_kernels == (plan.mla == "triton") and m._gluon == gluon
         elif isinstance(m, RoutedExperts):
             ok = m.fused == (plan.moe == "fused") and m.batch_invariant == plan.invariant
-            ok = ok and (m._nvfp4_args is not None or m._elementwise_args is not None) == m.fused
+            ok = (
+                ok
+                and m.pdl == plan.pdl
+                and (m._nvfp4_args is not None or m._elementwise_args is not None) == m.fused
+            )
         elif isinstance(m, Router):
             ok = m.triton == plan.triton and m.fused == plan.router_fused
         elif isinstance(m, DeepseekMLP):
@@ -121,3 +126,20 @@ def test_deterministic_plan_names_its_schedules(checkpoints):
     lines = "\n".join(plan.lines())
     assert "--deterministic" in lines and "Gluon" not in lines
     assert _held(plan, loaded.model) == []
+
+
+@pytest.mark.parametrize(
+    "gpu,asked,on", [(H200, "off", False), (H200, "on", True), ((8, 0), "on", False)]
+)
+def test_programmatic_dependent_launch_is_asked_for_and_needs_sm90(checkpoints, gpu, asked, on):
+    """--pdl on reaches every norm, NVFP4 linear and fused MoE of the plan where the GPU has
+    grid dependency control (sm_90+); an A100 plan states the fallback; off prints nothing."""
+    planning = Planning(Hardware.planned_gpu(gpu), PlanSettings(pdl=asked))
+    loaded = load_model(checkpoints["nvfp4-modelopt"], torch.bfloat16, "cpu", planning=planning)
+    plan = loaded.kernel_plan
+    assert plan.pdl == on
+    assert _held(plan, loaded.model) == []
+    launches = [c for c in plan.choices if c.what == "kernel launches"]
+    assert len(launches) == (asked == "on")
+    if launches:
+        assert launches[0].fallback == (not on)
