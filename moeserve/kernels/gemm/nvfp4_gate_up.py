@@ -44,6 +44,16 @@ def _silu_mul_store(v, out_ptrs, mask, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _ws_row(ws_ptr, row, M, N, pid_n, BLOCK_N: tl.constexpr):
+    """The workspace entries [2*BLOCK_N] of tile pid_n of x row `row` (its gate columns, then
+    its up columns, in a [M, 2N] fp32 block) and which of them exist."""
+    r = tl.arange(0, 2 * BLOCK_N)
+    n = pid_n * BLOCK_N + r % BLOCK_N
+    col = n + (r >= BLOCK_N).to(tl.int32) * N
+    return ws_ptr + row.to(tl.int64) * 2 * N + col, (n < N) & (row < M)
+
+
+@triton.jit
 def _finish_row(acc, scale, row, M, out_ptr, stride_om, ws_ptr, N, pid_n, BLOCK_N: tl.constexpr,
                 SPLIT_K: tl.constexpr):  # fmt: skip
     """One x row's tile: stored (SPLIT_K == 1) or added into the workspace row [2N]."""
@@ -54,19 +64,14 @@ def _finish_row(acc, scale, row, M, out_ptr, stride_om, ws_ptr, N, pid_n, BLOCK_
             v, out_ptr + row.to(tl.int64) * stride_om + offs, (offs < N) & (row < M), BLOCK_N
         )
     else:
-        r = tl.arange(0, 2 * BLOCK_N)
-        col = pid_n * BLOCK_N + r % BLOCK_N + (r >= BLOCK_N).to(tl.int32) * N
-        ok = (pid_n * BLOCK_N + r % BLOCK_N < N) & (row < M)
-        tl.atomic_add(ws_ptr + row.to(tl.int64) * 2 * N + col, v, mask=ok, sem="relaxed")
+        ws, ok = _ws_row(ws_ptr, row, M, N, pid_n, BLOCK_N)
+        tl.atomic_add(ws, v, mask=ok, sem="relaxed")
 
 
 @triton.jit
 def _copy_out_row(row, M, out_ptr, stride_om, ws_ptr, N, pid_n, BLOCK_N: tl.constexpr):
     """The last program of a split tile: total -> SiLU * up -> out, workspace re-zeroed."""
-    r = tl.arange(0, 2 * BLOCK_N)
-    col = pid_n * BLOCK_N + r % BLOCK_N + (r >= BLOCK_N).to(tl.int32) * N
-    ok = (pid_n * BLOCK_N + r % BLOCK_N < N) & (row < M)
-    ws = ws_ptr + row.to(tl.int64) * 2 * N + col
+    ws, ok = _ws_row(ws_ptr, row, M, N, pid_n, BLOCK_N)
     total = tl.load(ws, mask=ok, other=0.0, cache_modifier=".cg")
     offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o = out_ptr + row.to(tl.int64) * stride_om + offs
@@ -207,6 +212,7 @@ def nvfp4_gate_up_silu(
     grid_n, grid_m = triton.cdiv(n, bn), triton.cdiv(m, mp)
     split, k_iters = split_k_plan(cfg["SPLIT_K"], grid_n * grid_m, triton.cdiv(k, bk), x.device)
     ws, locks = splitk_buffers(split, workspace, grid_m * mp * 2 * n, grid_n * grid_m, out)
+    pdl = pdl_launch(pdl)
     _gate_up_silu_gemv_kernel[(grid_n, split, grid_m)](
         x,
         gate[0].view(torch.int32),
@@ -233,9 +239,9 @@ def nvfp4_gate_up_silu(
         STAGES=cfg.get("STAGES", 0),
         F16=cfg.get("F16", 0),
         EVEN=int(n % bn == 0 and split * k_iters * bk == k),
-        PDL=int(pdl_launch(pdl)),
+        PDL=int(pdl),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        launch_pdl=pdl_launch(pdl),
+        launch_pdl=pdl,
     )
     return out

@@ -32,11 +32,10 @@ from moeserve.kernels.gemm.e2m1_ptx import decode_pairs_ptx
 from moeserve.kernels.gemm.splitk import (
     SplitKWorkspace,
     dense_x_rows,
-    interpreting,
     split_k_plan,
     splitk_buffers,
 )
-from moeserve.kernels.pdl import pdl_wait
+from moeserve.kernels.pdl import pdl_launch, pdl_wait
 
 GEMV_F16_EXP = tl.constexpr(14)  # decoded f16 values are E2M1 * 2^-14
 
@@ -639,7 +638,7 @@ def nvfp4_gemv(
     ws, locks = splitk_buffers(split, workspace, grid_m * mp * n, grid_n * grid_m, out)
     # programmatic dependent launch: a tile-table option until measured (the interpreter
     # has no grid dependency control)
-    pdl = bool(config.get("PDL", 0)) and not interpreting()
+    pdl = pdl_launch(config.get("PDL", 0))
     _nvfp4_gemv_kernel[(grid_n, split, grid_m)](
         x,
         packed.view(torch.int32),

@@ -323,13 +323,15 @@ def _store_gate_up_sum(v, slot, Mk, gs, inter_ptr, offs_n, INTER, BLOCK_N: tl.co
 
 
 @triton.jit
-def split_k_total(
-    acc, ws_ptr, cnt_ptr, tile, num_tiles, pid_k, W: tl.constexpr, SPLIT_K: tl.constexpr
-):
-    """Split-K exchange of one tile's row sums (acc [W, *] -> [W]): each of the tile's SPLIT_K
-    programs stores its partial in the workspace (no zeroing needed) and arrives at the tile's
-    counter; the last to arrive gets (True, the partials summed in split order: the same
-    total whatever the arrival order) and re-zeroes the counter; the others get (False, _)."""
+def split_k_total(acc, ws_ptr, cnt_ptr, W: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Split-K exchange of one tile's row sums (acc [W, *] -> [W]) in a grid (blocks, column
+    tiles, SPLIT_K): each of the tile's SPLIT_K programs stores its partial in the workspace
+    (no zeroing needed) and arrives at the tile's counter; the last to arrive gets (True, the
+    partials summed in split order: the same total whatever the arrival order) and re-zeroes
+    the counter; the others get (False, _)."""
+    num_tiles = tl.num_programs(0) * tl.num_programs(1)
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs = tl.arange(0, W)
     tl.store(ws_ptr + (pid_k * num_tiles + tile).to(tl.int64) * W + offs, tl.sum(acc, axis=1))
     tl.debug_barrier()  # every thread's partial precedes the release below
@@ -430,11 +432,7 @@ def _moe_gate_up_gemv_kernel(
     gs = tl.load(gs_ptr + expert) * (2.0**GEMV_F16_EXP)
     on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT_K > 1:
-        n_tiles = tl.num_programs(1)
-        tile = pid_b * n_tiles + pid_n
-        last, total = split_k_total(
-            acc0, ws_ptr, cnt_ptr, tile, tl.num_programs(0) * n_tiles, pid_k, 2 * BLOCK_N, SPLIT_K
-        )
+        last, total = split_k_total(acc0, ws_ptr, cnt_ptr, 2 * BLOCK_N, SPLIT_K)
         if last:
             _store_gate_up_sum(total, s0, Mk, gs, inter_ptr, on, INTER, BLOCK_N)
         return
@@ -584,11 +582,7 @@ def _moe_down_gemv_kernel(
     )
     gs = tl.load(gs_ptr + expert) * (2.0**GEMV_F16_EXP)
     if SPLIT_K > 1:
-        n_tiles = tl.num_programs(1)
-        tile = pid_b * n_tiles + pid_n
-        last, total = split_k_total(
-            acc0, ws_ptr, cnt_ptr, tile, tl.num_programs(0) * n_tiles, pid_k, BLOCK_N, SPLIT_K
-        )
+        last, total = split_k_total(acc0, ws_ptr, cnt_ptr, BLOCK_N, SPLIT_K)
         if last:
             _store_down_sum(total, s0, Mk, gs, topk_w_ptr, y_ptr, offs_n, H)
             if COMBINE:
@@ -997,6 +991,7 @@ def _moe_gemv(x, topk_ids, tw, weights, cfg, dec, into: CombineInto, pdl: bool =
         cfg.get("DOWN_SPLIT_K", cfg.get("SPLIT_K", 1)), mp, triton.cdiv(inter_size, bk)
     )
     tiles13, tiles2 = nb * triton.cdiv(inter_size, bn), nb * triton.cdiv(h, bn2)
+    pdl = pdl_launch(pdl)
     # split-K partials (written before they are read: no zeroing) and tile counters, the
     # latter after the combine's counters in the caller's zeroed scratch
     ws13 = ws2 = cnt13 = cnt2 = y
@@ -1033,10 +1028,10 @@ def _moe_gemv(x, topk_ids, tw, weights, cfg, dec, into: CombineInto, pdl: bool =
         DIRECT=direct,
         EVEN=int(split13 * kit13 * bk == h and inter_size % bn == 0),
         SPLIT_K=split13,
-        PDL=int(pdl_launch(pdl)),
+        PDL=int(pdl),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        launch_pdl=pdl_launch(pdl),
+        launch_pdl=pdl,
     )
     counters = into.counters_for(h, bn2, x.device) if direct else None
     _moe_down_gemv_kernel[(nb, triton.cdiv(h, bn2), split2)](
@@ -1069,10 +1064,10 @@ def _moe_gemv(x, topk_ids, tw, weights, cfg, dec, into: CombineInto, pdl: bool =
         ACCUMULATE=into.accumulate,
         EVEN=int(split2 * kit2 * bk == inter_size and h % bn2 == 0),
         SPLIT_K=split2,
-        PDL=int(pdl_launch(pdl)),
+        PDL=int(pdl),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        launch_pdl=pdl_launch(pdl),
+        launch_pdl=pdl,
     )
     return None if direct else y
 
