@@ -274,8 +274,18 @@ class Sampler:
         self._device_ids = logits[:, : self.vocab_limit].argmax(dim=-1)
         return self._device_ids
 
+    def greedy_into(self, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`greedy_on_device`'s argmax written into `out` [B] int64, keeping no state: the op
+        a captured decode step runs behind its LM head (see `adopt_device_tokens`)."""
+        return torch.argmax(logits[:, : self.vocab_limit], dim=-1, out=out)
+
+    def adopt_device_tokens(self, tokens: torch.Tensor) -> None:
+        """Make `tokens` (a step's `greedy_into` output, still on the device) the latest
+        greedy step's tokens."""
+        self._device_ids = tokens
+
     def device_tokens(self) -> torch.Tensor:
-        """The tokens of the latest `greedy_on_device` step."""
+        """The tokens of the latest greedy step kept on the device."""
         return self._device_ids
 
     # ---- per-request state -----------------------------------------------------------------

@@ -3,8 +3,10 @@
 Captured: the runner's decode forward (ids, positions, page-table rows, seq_lens -> hidden
 states; the attention metadata is derived inside the graph from the runner's persistent page
 table) of a decode-only batch, once per padded batch size of `capture_sizes`, all into one
-graph memory pool, largest first (the smaller graphs reuse its blocks). Logits, sampling, and
-prefill / mixed / larger batches stay eager.
+graph memory pool, largest first (the smaller graphs reuse its blocks). The runner's forward
+also computes every row's logits into one static buffer and their greedy tokens behind them
+(a greedy step then launches nothing after the replay but the copy of its tokens to the
+host); other sampling, and prefill / mixed / larger batches stay eager.
 
 Static inputs: one flat int64 buffer, `staged`; the graph of size P reads its first 4 * P words
 as [4, P] (ids, positions, rows, seq_lens), so a step's index lists, packed on the host in

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,21 +45,40 @@ PAD_SLOT = -1  # write_mla_cache skips negative slots
 PREFILL_STEP_TOKENS = 64
 
 
-@dataclass
-class StepTensors:
-    """A step's index tensors on the device (views of one copied buffer)."""
+_STEP_LISTS = (
+    "ids", "positions", "rows", "seq_lens", "logit_rows", "query_lens", "query_start",
+    "upd_rows", "upd_cols", "upd_pages", "hidden_rows", "embed_rows",
+)  # fmt: skip
 
-    packed: torch.Tensor  # the whole buffer: ids, positions, rows, seq_lens, logit_rows, ...
-    ids: torch.Tensor
-    positions: torch.Tensor
-    rows: torch.Tensor
-    seq_lens: torch.Tensor
-    logit_rows: torch.Tensor
-    query_lens: torch.Tensor
-    query_start: torch.Tensor  # int32 [B + 1]
-    hidden_rows: torch.Tensor  # a draft step's: the rows of the hidden states it reads
-    embed_rows: torch.Tensor  # the rows whose embeddings are an image's
-    staged: bool = False  # `packed` is the decode graphs' static input buffer
+
+class StepTensors:
+    """A step's index tensors on the device: views of one copied buffer, made when first read
+    (a replayed decode step reads almost none of them, and each view costs host time).
+
+    ids, positions, rows, seq_lens, logit_rows, query_lens: int64; query_start: int32 [B + 1];
+    upd_rows, upd_cols (int64), upd_pages (int32): the page-table entries the step appends;
+    hidden_rows: a draft step's rows of the hidden states it reads; embed_rows: the rows
+    whose embeddings are an image's."""
+
+    def __init__(
+        self, packed: torch.Tensor, spans: list[tuple[int, int, bool]], staged: bool = False
+    ) -> None:
+        self.packed = packed  # the whole buffer, the lists at `spans` (first word, length, int32)
+        self.spans = dict(zip(_STEP_LISTS, spans, strict=True))
+        self.staged = staged  # `packed` is the decode graphs' static input buffer
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        span = self.__dict__.get("spans", {}).get(name)
+        if span is None:
+            raise AttributeError(name)
+        a, n, half = span
+        view = (
+            self.packed[a : a + (n + 1) // 2].view(torch.int32)[:n]
+            if half
+            else self.packed[a : a + n]
+        )
+        setattr(self, name, view)
+        return view
 
 
 class Staging:
@@ -125,10 +143,16 @@ class ModelRunner:
         self.max_rows = config.scheduler.max_num_seqs
         # the captured decode reads placeholder tokens here (a fixed address): a greedy step's
         # tokens are copied in after its LM head, off the path to the next replay
-        self._graph_tokens = torch.zeros(
-            max(1, self.max_rows), dtype=torch.int64, device=self.device
-        )
+        # (a graph's rows: up to its largest batch, which verify rows may take past max_rows)
+        graph_rows = max(1, self.max_rows, config.graph_max_batch(str(self.device)))
+        self._graph_tokens = torch.zeros(graph_rows, dtype=torch.int64, device=self.device)
         self._graph_tokens_of: torch.Tensor | None = None  # the tokens it holds
+        # a replay's copy of `_graph_tokens` as it found them (its own tokens replace them):
+        # what an eager rerun of that step resolves its placeholders from
+        self._graph_fed = torch.zeros_like(self._graph_tokens)
+        # a captured decode step also computes its logits into this static buffer and, behind
+        # them, its greedy tokens into `_graph_tokens` (allocated with the graphs)
+        self._graph_logits: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         # the draft model: an EAGLE-3 head (a module of its own, `loaded.draft`) or the
         # target's MTP module (the target model drafts through `forward_draft`)
@@ -389,12 +413,13 @@ class ModelRunner:
         blockers = graph_blockers(self.model)
         if blockers:
             return f"CUDA graphs off: {', '.join(blockers)} cannot be captured; decode runs eager"
-        graphs = self._decode_graphs(max_batch)
         before = torch.cuda.memory_reserved(self.device)
+        graphs = self._decode_graphs(max_batch)
         try:
             graphs.capture()
         except RuntimeError as e:  # a host sync or allocation somewhere: serve eagerly
             log.warning("CUDA graph capture failed: %s", e)
+            self._graph_logits = None
             return f"CUDA graphs off: capture failed ({str(e).splitlines()[0][:120]})"
         self.memory = self.memory.with_graph_measured(
             torch.cuda.memory_reserved(self.device) - before
@@ -410,7 +435,11 @@ class ModelRunner:
     def _decode_graphs(self, max_batch: int) -> DecodeGraphs:
         """The model's decode graphs (not captured yet). Their static buffer has room for the
         rest of a decode step's index lists (logit rows, query lengths and starts, a few
-        appended pages per sequence), which then come in the same copy."""
+        appended pages per sequence), which then come in the same copy. The static logits
+        buffer their LM head writes is allocated here too."""
+        self._graph_logits = torch.empty(
+            max_batch, self.vocab_size, dtype=torch.float32, device=self.device
+        )
         return DecodeGraphs(
             self._graph_forward,
             self.model,
@@ -514,14 +543,10 @@ class ModelRunner:
         g = self.graphs
         staged = g is not None and graph_size is not None and host.size <= g.staged.numel()
         dev = self._staging.to_device(host, g.staged if staged else None)
-        views = [
-            dev[a : a + (n + 1) // 2].view(torch.int32)[:n] if half else dev[a : a + n]
-            for a, n, half in spans
-        ]
-        ids, pos, rows, lens, lrows, qlens, qs, ur, uc, up, hrows, erows = views
-        if len(up):
-            self.block_table.index_put_((ur, uc), up)
-        return StepTensors(dev, ids, pos, rows, lens, lrows, qlens, qs, hrows, erows, staged)
+        st = StepTensors(dev, spans, staged)
+        if upd_pages:
+            self.block_table.index_put_((st.upd_rows, st.upd_cols), st.upd_pages)
+        return st
 
     def metadata(
         self,
@@ -600,10 +625,19 @@ class ModelRunner:
         self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor
     ) -> torch.Tensor:
         """The captured decode forward: placeholder ids resolved from `_graph_tokens`,
-        metadata from the page table, then the model."""
-        ids = resolve_placeholders(ids, self._graph_tokens)
+        metadata from the page table, the model, then every row's logits into
+        `_graph_logits` and their greedy tokens into `_graph_tokens` (read by the next
+        replay's placeholders once this one has run): a greedy step needs no launch after
+        the replay but the copy of its tokens to the host."""
+        self._graph_fed.copy_(self._graph_tokens)
+        ids = resolve_placeholders(ids, self._graph_fed)
         md = self._decode_metadata(positions, rows, seq_lens)
-        return self.model(ids, positions, ForwardContext(md))
+        hidden = self.model(ids, positions, ForwardContext(md))
+        if self._graph_logits is not None:
+            n = ids.shape[0]
+            logits = self.model.compute_logits(hidden, out=self._graph_logits[:n])
+            self.sampler.greedy_into(logits, self._graph_tokens[:n])
+        return hidden
 
     @torch.inference_mode()
     def _execute_draft(self, step: StepInput, st: StepTensors) -> torch.Tensor | None:
@@ -643,10 +677,16 @@ class ModelRunner:
         if step.ids and min(step.ids) < 0:  # placeholders: tokens the last step sampled
             # an eager step reruns the latest one (profiling) with the tokens it was given
             src = self._fed_tokens if step.eager else self.sampler.device_tokens()
-            self._fed_tokens = src
             # a replay resolves them inside the graph, from `_graph_tokens`
-            if graph_size is None or not self._hold_graph_tokens(src):
+            held = graph_size is not None and self._hold_graph_tokens(src)
+            if not held:
                 st.ids.copy_(resolve_placeholders(st.ids, src))
+            # kept for an eager rerun, where nothing rewrites them: the replay's own copy, or
+            # a copy of tokens living in the buffer that replays rewrite
+            if held:
+                self._fed_tokens = self._graph_fed
+            else:
+                self._fed_tokens = src.clone() if src._base is self._graph_tokens else src
         if step.draft:
             logits = self._execute_draft(step, st)
             if logits is not None and step.greedy:  # the next draft step's placeholders
@@ -659,6 +699,8 @@ class ModelRunner:
                     st.packed[: NUM_INPUTS * graph_size].view(NUM_INPUTS, -1)
                 )
             hidden = g.replay(len(step.rows))
+            if self._graph_logits is not None:
+                self._graph_tokens_of = None  # the replay wrote its own tokens there
         else:
             embeds = self._image_embeds(step, st)
             md = self._step_metadata(step, st)
@@ -677,6 +719,14 @@ class ModelRunner:
             self.last_hidden = source[: step.num_tokens]
         if not step.logit_rows:
             return None
+        if graph_size is not None and self._graph_logits is not None:
+            b, rows = len(step.rows), step.logit_rows  # rows ascending: all of 0..b-1 or some
+            if len(rows) == b and rows[-1] == b - 1:  # the replay's logits and tokens serve
+                if step.greedy:
+                    tokens = self._graph_tokens[:b]
+                    self.sampler.adopt_device_tokens(tokens)
+                    self._graph_tokens_of = tokens
+                return self._graph_logits[:b]
         logits = self.model.compute_logits(hidden.index_select(0, st.logit_rows))
         if step.greedy and not step.eager:
             tokens = self.sampler.greedy_on_device(logits)

@@ -70,8 +70,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
             self.native_weight = cpu_kernels.pack_bf16(w.data)
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The head's methods (lm_head_method) take an output dtype: fp32 logits."""
+    def compute_logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [T, vocab_size] (the head's methods take an output dtype). `out`: a
+        preallocated fp32 [T, vocab_size] to write them into (a CUDA graph's static buffer):
+        on one rank the matmul's result is converted straight into it, no extra copy."""
         if self.method is not None:
             logits = self.method.apply(self, h, out_dtype=torch.float32)
         elif getattr(self, "native_weight", None) is not None:
@@ -83,6 +85,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
             logits = gemm16(h, self.weight, torch.float32)
         else:
-            logits = F.linear(h, self.weight).float()
-        logits = self.tp.all_gather(logits, dim=-1)
-        return logits[..., : self.vocab_size]
+            logits = F.linear(h, self.weight)
+            if out is None or self.tp.size > 1:
+                logits = logits.float()
+        logits = self.tp.all_gather(logits, dim=-1)[..., : self.vocab_size]
+        if out is None:
+            return logits
+        return out.copy_(logits)

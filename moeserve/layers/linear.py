@@ -59,6 +59,7 @@ class LinearBase(nn.Module):
         self.native_cpu = False  # the native CPU kernels
         self.batch_invariant = False  # --deterministic schedules
         self.pdl = False  # GEMV kernels launch with programmatic dependent launch
+        self.dense_gemv = False  # 16-bit weights: decode rows by the split-K GEMV
         self.method.create_weights(self, self.local_input, self.local_output, dtype)
         if bias:
             self.bias = make_param(torch.zeros(self.local_output, dtype=dtype), 0, None)
@@ -123,6 +124,7 @@ class LinearBase(nn.Module):
         self.native_cpu = plan.cpu_native
         self.batch_invariant = plan.invariant
         self.pdl = plan.pdl
+        self.dense_gemv = plan.triton and not plan.invariant
 
     def prepare_cuda_graph(self, max_tokens: int, max_context: int, shared: dict) -> None:
         self.method.prepare_cuda_graph(self, max_tokens, shared)

@@ -210,8 +210,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         embeddings (images)."""
         return self.model(ids, positions, ctx, embeds)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden, out)
 
     def forward_draft(
         self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext

@@ -209,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
     """Model contract (used by the runner; every model class implements it):
 
     - `forward(input_ids [T], positions [T], ctx) -> hidden [T, H]`
-    - `compute_logits(hidden [N, H]) -> [N, vocab] fp32`
+    - `compute_logits(hidden [N, H], out=None) -> [N, vocab] fp32` (into `out` when given)
     - `load_weights(iterable of (HF checkpoint name, tensor)) -> set of loaded param names`
     - `attention_layers() -> list` of modules with `kv_cache_bytes_per_token(dtype)` and
       `bind_kv_cache(num_pages, page_size, dtype, device)`.
@@ -245,8 +245,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden, out)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

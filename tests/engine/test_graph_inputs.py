@@ -9,7 +9,9 @@ forward eagerly, as a replay would on a GPU):
   batch sizes and orders, with known ids mixed in, tokens left by another kind of step (the
   buffer is then refreshed before the replay) and a step too long for the static buffer,
   the logits and tokens equal the eager path's, whose ids the test resolves on the host by
-  the rule itself.
+  the rule itself;
+- the replay's logits and greedy tokens are computed by the captured forward (its static
+  logits buffer); a replayed step with logits for some rows only runs its LM head after it.
 """
 
 from __future__ import annotations
@@ -171,6 +173,8 @@ def test_replayed_decode_with_placeholders_equals_the_eager_path(kimi):
         torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
         # the graph read the placeholders themselves: resolved inside the captured forward
         assert g.inputs_of(padded_size(len(seqs), g.sizes))[0, : len(seqs)].tolist() == ids
+        # the logits and greedy tokens came from the captured forward too
+        assert la.data_ptr() == runner._graph_logits.data_ptr()
         tokens = la[:, :limit].argmax(-1).tolist()
         assert tokens == lb[:, :limit].argmax(-1).tolist()
         assert runner.sampler.device_tokens().tolist() == tokens
@@ -182,9 +186,16 @@ def test_replayed_decode_with_placeholders_equals_the_eager_path(kimi):
     assert staged == [True, True, True, True, False, True]
     # the eager rerun of the latest step (profiling) takes the tokens that step was given
     rerun = replace(replayed.decode([1, 0, 2], [-1 - slot[s] for s in (1, 0, 2)]), greedy=True)
-    first = runner.execute_model(rerun)
+    first = runner.execute_model(rerun).clone()
     again = runner.execute_model(replace(rerun, eager=True, greedy=False))
     torch.testing.assert_close(again, first, rtol=1e-4, atol=1e-4)
+    # a replayed step with logits for some rows only: its LM head runs on those rows
+    tokens = first[:, :limit].argmax(-1).tolist()
+    some = replace(replayed.decode([1, 0, 2], tokens), logit_rows=[0, 2])
+    la = runner.execute_model(some)
+    assert la.shape == (2, runner.vocab_size) and la.data_ptr() != runner._graph_logits.data_ptr()
+    lb = runner.execute_model(replace(some, eager=True))  # the same step again, eagerly
+    torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
 
 
 def test_a_replayed_step_is_packed_with_its_padding_columns(kimi):

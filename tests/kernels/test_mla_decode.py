@@ -282,18 +282,20 @@ def test_sequences_in_one_split_write_out_and_skip_the_merge(
         check_split_slots(ws, b, 4, a)
 
 
-def test_reused_workspace_stale_slots_are_not_merged():
+@pytest.mark.parametrize("fused_merge", [True, False])
+def test_reused_workspace_stale_slots_are_not_merged(fused_merge):
     # A sequence that was spread over 4 splits leaves finite partials behind; the next call
     # puts one in a single split and another in 2 of the 4: reading a stale slot changes
     # the output (finite, so only the comparison with the reference can tell).
-    cfg = dataclasses.replace(SMALL, min_split_tokens=32)
+    cfg = dataclasses.replace(SMALL, min_split_tokens=32, fused_merge=fused_merge)
     q, cache, bt, seq, kv_scale = make_case([600, 100, 0, 33], 4, 16, torch.bfloat16, seed=41)
     ws = _run_on_poisoned_workspace(q, cache, bt, seq, kv_scale, 4, cfg)
     q2, cache2, bt2, seq2, _ = make_case([20, 33, 600, 0], 4, 16, torch.bfloat16, seed=42)
     _run_on_poisoned_workspace(q2, cache2, bt2, seq2, None, 4, cfg, ws)
 
 
-def test_default_min_split_at_batch_one_short_contexts():
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_default_min_split_at_batch_one_short_contexts(fused_merge):
     # The measured case: 64-token tiles, 8 splits of a 1024-token capacity, one tile per
     # split at least: up to 64 tokens one split (no merge), 124 / 128 -> 2 splits,
     # 129 -> 3, 1000 (16 tiles) -> all 8.
@@ -303,6 +305,7 @@ def test_default_min_split_at_batch_one_short_contexts():
     assert bt.shape[1] * 64 >= 1024
     cfg = mla_decode_mod.default_config(16, 1, 1024)
     assert cfg.block_n == 64 and cfg.min_split_tokens is None
+    cfg = dataclasses.replace(cfg, fused_merge=fused_merge)
     ws = _run_on_poisoned_workspace(q, cache, bt, seq, kv_scale, 8, cfg)
     for b, a in enumerate([0, 1, 2, 2, 3, 8]):
         check_split_slots(ws, b, 16, a)
@@ -318,3 +321,103 @@ def test_min_split_tokens_rounds_up_to_whole_tiles():
     bad = dataclasses.replace(SMALL, min_split_tokens=0)
     with pytest.raises(ValueError, match="min_split_tokens"):
         mla_decode_mod.mla_decode(q, cache, bt, seq, 0.1, out, num_splits=2, config=bad)
+
+
+# ---- the fused merge (the last split program of a group merges; one launch per call) ----
+FUSED = dataclasses.replace(SMALL, fused_merge=True)
+TWO_KERNEL = SMALL
+assert not SMALL.fused_merge  # the default: the merge kernel
+
+
+def _fused_case(seq_lens, heads, dtype, seed, page_size=16):
+    """A case plus its fp32 reference output."""
+    q, cache, bt, seq, kv_scale = make_case(seq_lens, heads, page_size, dtype, seed=seed)
+    ref = torch.empty(len(seq_lens), heads, 512)
+    mla_decode_mod.mla_decode_ref(q, cache, bt, seq, 0.1352, ref, kv_scale)
+    return (q, cache, bt, seq, kv_scale), ref
+
+
+def _decode(case, num_splits, config, ws):
+    """mla_decode into a NaN-filled out (every element must be written) with ``ws``."""
+    q, cache, bt, seq, kv_scale = case
+    out = torch.full((q.shape[0], q.shape[1], 512), float("nan"), dtype=torch.bfloat16)
+    mla_decode_mod.mla_decode(q, cache, bt, seq, 0.1352, out, kv_scale, num_splits, ws, config)
+    return out.float()
+
+
+def _workspace(batch, heads, num_splits):
+    ws = mla_decode_mod.MLADecodeWorkspace.allocate(batch, heads, num_splits, "cpu")
+    assert ws.counters.dtype == torch.int32 and not ws.counters.any()  # zeroed at allocation
+    return poison_workspace(ws)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "knobs"), [(torch.bfloat16, {}), (FP8, {"vsplit": 2}), (FP8, {"prefetch": True})]
+)
+def test_fused_merge_matches_reference_over_mixed_lengths(dtype, knobs):
+    # empty, one token, one split, a few splits, all splits; 20 heads: a ragged second head
+    # block, whose masked rows must neither count as arrivals nor be merged
+    seq_lens, splits = [0, 1, 10, 37, 200], 6
+    cfg = dataclasses.replace(FUSED, **knobs)
+    case, ref = _fused_case(seq_lens, 20, dtype, seed=51)
+    ws = _workspace(len(seq_lens), 20, splits)
+    out = _decode(case, splits, cfg, ws)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert not ws.counters.any()  # every group's last program reset its counter
+    for b, n in enumerate(seq_lens):
+        check_split_slots(ws, b, 20, mla_decode_mod.active_splits(n, splits, 16, 1))
+
+
+def test_fused_merge_counters_reset_for_the_next_call():
+    # the same workspace (as a captured graph replays it) with new lengths and q: each call
+    # must start from zeroed counters, or the last arrival is missed (NaN out) or early
+    ws = _workspace(3, 4, 5)
+    for seed, seq_lens in ((61, [70, 0, 33]), (62, [5, 80, 17]), (63, [80, 80, 1])):
+        case, ref = _fused_case(seq_lens, 4, torch.bfloat16, seed=seed)
+        out = _decode(case, 5, FUSED, ws)
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+        assert not ws.counters.any()
+
+
+def test_fused_merge_over_more_splits_than_one_lse_step():
+    # 69 active splits (one 16-token tile each) > FUSED_MERGE_LSE_CHUNK: the tail's max and
+    # sum of weights take two steps; the other sequence uses 2 of the 72 splits
+    assert mla_decode_mod.FUSED_MERGE_LSE_CHUNK < 69
+    case, ref = _fused_case([1100, 20], 4, torch.bfloat16, seed=71)
+    out = _decode(case, 72, FUSED, _workspace(2, 4, 72))
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("vsplit", [1, 2])
+def test_fused_and_two_kernel_merges_agree(vsplit):
+    # Same partials (bit for bit), and the merged output equal up to one bf16 rounding: the
+    # fused tail groups its fp32 sums differently from the merge kernel.
+    seq_lens, splits = [0, 1, 30, 130], 6
+    case, ref = _fused_case(seq_lens, 20, torch.bfloat16, seed=81)
+    ws_fused, ws_two = _workspace(4, 20, splits), _workspace(4, 20, splits)
+    fused = _decode(case, splits, dataclasses.replace(FUSED, vsplit=vsplit), ws_fused)
+    two = _decode(case, splits, dataclasses.replace(TWO_KERNEL, vsplit=vsplit), ws_two)
+    torch.testing.assert_close(fused, two, atol=1e-6, rtol=2**-7)
+    torch.testing.assert_close(two, ref, atol=2e-2, rtol=2e-2)
+    for b, n in enumerate(seq_lens):
+        a = mla_decode_mod.active_splits(n, splits, 16, 1)
+        if a > 1:
+            assert torch.equal(ws_fused.partial_out[b, :, :a], ws_two.partial_out[b, :, :a])
+            # the fused tail leaves the merge weights 2^(lse - max lse) in the lse slots
+            lse = ws_two.partial_lse[b, :, :a]
+            weights = torch.exp2(lse - lse.max(dim=1, keepdim=True).values)
+            torch.testing.assert_close(ws_fused.partial_lse[b, :, :a], weights)
+    assert not ws_two.counters.any()  # the two-kernel path leaves them alone
+
+
+def test_fused_merge_rejects_too_few_counters():
+    case, _ = _fused_case([40, 9], 20, torch.bfloat16, seed=91)
+    ws = mla_decode_mod.MLADecodeWorkspace.allocate(2, 20, 4, "cpu")
+    assert ws.counters.numel() == mla_decode_mod.merge_counters_needed(2, 20) == 4
+    short = dataclasses.replace(ws, counters=ws.counters[:3])  # 2 sequences x 2 head blocks
+    with pytest.raises(ValueError, match="counters"):
+        _decode(case, 4, FUSED, short)
+    _decode(case, 4, TWO_KERNEL, short)  # the merge kernel needs none
+    # 64-row head blocks: one group per sequence
+    assert mla_decode_mod.merge_counters_needed(2, 20, block_h=64) == 2

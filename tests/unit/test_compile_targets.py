@@ -73,6 +73,7 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
     from moeserve.kernels.gemm import fp8_block_gemm as fg
     from moeserve.kernels.gemm import nvfp4_gate_up as gu
     from moeserve.kernels.gemm import nvfp4_gemm as ng
+    from moeserve.kernels.gemm import w16_gemv as wg
     from moeserve.kernels.moe import fp8 as mf
     from moeserve.kernels.moe import nvfp4 as mn
     from moeserve.kernels.routing import router, router_fused
@@ -126,6 +127,16 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
             qkv = t(DECODE, q_lora + lat + rope)
             norm.rms_norm_pair(qkv, t(q_lora), t(lat), cfg.rms_norm_eps, cfg.rms_norm_eps, out=qkv)
             activation.silu_mul(t(DECODE, 2 * dense))
+
+        @add("16-bit GEMV (+ the q_a / kv_a norms)",
+             ("w16_gemv._w16_gemv_norm_kernel", "w16_gemv._w16_gemv_kernel"))  # fmt: skip
+        def _() -> None:
+            eps = cfg.rms_norm_eps
+            segments = (wg.NormSegment(0, q_lora, t(q_lora), eps),
+                        wg.NormSegment(q_lora, lat, t(lat), eps))  # fmt: skip
+            wg.w16_gemv(t(DECODE, h), t(q_lora + lat + rope, h), norms=segments)
+            # q_b_proj at the most rows (the lane-sum accumulators)
+            wg.w16_gemv(t(wg.MAX_ROWS, q_lora), t(heads * (nope + rope), q_lora))
 
     if kp.triton and cfg.n_routed_experts:
         routing = dict(
@@ -274,13 +285,19 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
              ("mla_decode._mla_decode_split_kernel",
               "mla_decode._mla_decode_merge_kernel"))  # fmt: skip
         def _() -> None:
-            for batch in (DECODE, MID_BATCH):
+            # the split kernel is compiled as first launched: its fused-merge build (a
+            # superset of the default build's code); the default launches the merge kernel
+            from dataclasses import replace
+
+            for batch, fused in ((DECODE, True), (MID_BATCH, True), (MID_BATCH, False)):
                 splits = mla_decode.default_num_splits(batch, heads, CONTEXT)
                 ws = mla_decode.MLADecodeWorkspace.allocate(batch, heads, splits, "meta")
+                config = mla_decode.default_config(heads, batch, CONTEXT)
                 mla_decode.mla_decode(
                     t(batch, heads, lat + rope), cache(), t(batch, CONTEXT // PAGE, dtype=i32),
                     t(batch, dtype=i32), 0.1, t(batch, heads, lat), kv_scale=scale,
                     num_splits=splits, workspace=ws,
+                    config=replace(config, fused_merge=fused),
                 )  # fmt: skip
 
     if kp.mla_decode == "prefill":

@@ -27,6 +27,33 @@ scalar scale is folded into the softmax scale and the final normalisation, so no
 per-element multiply is spent on it. Stage 2 merges the per-split partial outputs with
 their log-sum-exp. With one split, stage 1 writes ``out`` directly and stage 2 is skipped.
 
+Fused merge (``MLADecodeConfig.fused_merge``, off by default, see below): stage 2 runs
+inside stage 1, so a call with several splits is one launch, not two. Why: at batch 1 on a
+tensor-parallel rank (8 heads, a few hundred cached tokens) the merge launch is ~2.5 us of
+a ~7.8 us call on an H200 (split kernel alone 5.3 us, in a CUDA graph), once per layer.
+Once a split program has stored its partial (and lse), it arrives at its group's int32
+counter (atomic add, acq_rel, gpu scope, after a CTA barrier so that every thread's stores
+precede the release). A group is one (sequence, head block): with ``vsplit == 2`` both
+value slices arrive at it, because only slice 0 stores the lse that the merge needs. The
+program that sees ``active * vsplit - 1`` earlier arrivals is the last: it reads the
+group's lse and partials back (from L2) in split order ``0 .. active-1``, in fixed steps,
+so the result does not depend on which program came last, merges all 512 values of its
+heads into ``out`` (leaving the merge weights in the group's lse slots) and resets the
+counter to 0 for the next call or graph replay. The merged values agree with the
+two-kernel merge to fp32 rounding (the sums are grouped differently), not bit for bit.
+
+Measured (H200, triton 3.6, default config and split count, capacity 4096, CUDA graph;
+``benchmarks/kernels_mla_heads.py --fused-merge``): the arrival (fence + atomic) costs
+~0.7 us and the tail, serial in one program, ~0.25-0.3 us per active split (latency-bound
+L2 reads of ``active x heads x 1 KB``). The fused call is 0.82-0.91x the two-kernel time
+with 16-row head blocks and <= 4 active splits at batch 8 (and 128 heads at batch 1, 256
+tokens), even (0.99-1.04x) at 8-16 heads, batch 1, 256 tokens and at batch 64 (2 splits),
+but 1.05-1.6x with 16-32 active splits (batch 1-8, 1024-4096 tokens) and 1.1-1.4x with
+64-row head blocks (128 heads, batch 8). Since the active split count depends on
+``seq_lens`` (no static rule can pick the winner per graph), the two-kernel path stays the
+default; the fused one is kept, tested and benchmarked for GPUs or Triton versions where
+the tail is cheaper.
+
 Active splits (decided per sequence inside both kernels, from ``seq_lens``): a sequence of
 ``n_tiles = cdiv(seq_len, BLOCK_N)`` tiles gives each split ``tiles_per_split =
 max(cdiv(n_tiles, num_splits), MIN_SPLIT_TILES)`` tiles, so ``active = cdiv(n_tiles,
@@ -39,8 +66,9 @@ merge a read. Who writes what, per sequence:
 - ``active <= 1`` (always so with ``num_splits == 1``): split 0 normalises straight into
   ``out`` (zeros for an empty sequence); it writes no partials and no lse, and the merge
   program returns at once, reading nothing else.
-- ``active > 1``: splits ``0 .. active-1`` write their partial and lse, the merge reads
-  exactly those and writes ``out``.
+- ``active > 1``: splits ``0 .. active-1`` write their partial and lse, the merge (the
+  last arriving split program, or the merge kernel) reads exactly those and writes ``out``.
+  Only these splits arrive at the fused merge's counter.
 - Splits ``>= max(active, 1)`` return at once and write nothing: their workspace slots
   keep whatever they held (stale data, NaN) and are never read.
 
@@ -51,12 +79,15 @@ tensor-core-issue bound, see benchmarks/results/kernels_mla_analysis.md for why)
 
 CUDA graphs: every launch shape depends only on tensor shapes and ``num_splits`` (never on
 ``seq_lens`` values: the active-split rule above runs inside the kernels, and the merge is
-launched whenever ``num_splits > 1``), and the per-split partials live in a
-:class:`MLADecodeWorkspace`. Allocate one workspace for the largest batch before capture
-and pass it on every call (``workspace=``); the captured graph then reads new
-``seq_lens``/``block_tables`` contents on replay. Without a workspace the wrapper
-allocates one per call (fine eagerly, and inside a capture it comes from the graph's
-private pool).
+launched whenever ``num_splits > 1`` without the fused merge), and the per-split partials
+and the fused merge's counters live in a :class:`MLADecodeWorkspace`. Allocate one
+workspace for the largest batch before capture and pass it on every call (``workspace=``);
+the captured graph then reads new ``seq_lens``/``block_tables`` contents on replay. The
+counters are zero between calls (each group's last program resets its own), so one
+workspace serves any sequence of stream-ordered calls, but not two calls running at once
+on different streams. Without a workspace the wrapper allocates one per call (fine
+eagerly, and inside a capture it comes from the graph's private pool; the counters' zeroing
+is then one more small launch).
 """
 
 from __future__ import annotations
@@ -97,6 +128,20 @@ _MERGE_MAX_HEADS_BLOCK = 8
 MERGE_CHUNK = 16
 # Upper bound of num_splits: the merge keeps all split lse values of a head in registers.
 MAX_SPLITS = 1024
+# tl.dot's smallest M: the smallest head block of any config, which sizes the workspace's
+# fused-merge counters (one per sequence and head block).
+MIN_BLOCK_H = 16
+# Fused merge tail (the last split program of a group): accumulator values per thread (it
+# takes [block_h, up to 512] values per step), and splits whose partials are loaded per
+# step, as independent loads in flight together. H200: [chunk, heads, values] tiles of
+# 64-128 values per thread spilled on sm_90a; 8 splits per step instead of 4 took 0.9x
+# the time with 32 active splits but 1.1-1.15x with 4 (batch 1 and 8).
+FUSED_MERGE_ELEMS_PER_THREAD = 32
+FUSED_MERGE_UNROLL = 4
+# lse values of one head read per step when the fused tail finds its maximum and the sum
+# of weights (one step for up to this many active splits).
+FUSED_MERGE_LSE_CHUNK = 64
+_THREADS_PER_WARP = 32
 
 
 @dataclass(frozen=True)
@@ -123,6 +168,11 @@ class MLADecodeConfig:
     # sequences use fewer splits than the capacity-sized grid and, in one split, skip the
     # merge. None: one tile (block_n).
     min_split_tokens: int | None = None
+    # Merge the split partials inside the split kernel (its last program per sequence and
+    # head block): one launch per call instead of two. Off by default: on an H200 it won
+    # only where <= 4 splits are active and lost up to 1.6x where 16-32 are (module
+    # docstring, "Measured").
+    fused_merge: bool = False
 
 
 DEFAULT_CONFIG = MLADecodeConfig()
@@ -151,17 +201,25 @@ def default_config(
 
 @dataclass
 class MLADecodeWorkspace:
-    """Static split-KV scratch (partial outputs and their log2-sum-exp) for CUDA graphs.
+    """Static split-KV scratch (partial outputs, their log2-sum-exp and the fused merge's
+    arrival counters) for CUDA graphs.
 
     ``partial_out`` is ``[max_batch, heads, max_splits, 512]`` and ``partial_lse``
     ``[max_batch, heads, max_splits]`` fp32. Any batch <= max_batch and num_splits <=
     max_splits can use it. Partials default to bf16: each is already normalised (O(1)
     values), so bf16 adds at most one bf16 rounding to a bf16 output while halving the
     partial traffic, which at batch 1 is comparable to the cache bytes themselves.
+
+    ``counters`` is flat int32, zero between calls: one per (sequence, head block) of a
+    fused-merge launch, which needs ``batch * cdiv(heads, block_h)`` of them (both value
+    slices of ``vsplit=2`` share their head block's). ``allocate`` sizes it for the smallest
+    head block any config may use (:data:`MIN_BLOCK_H`) at ``max_batch``, so every config
+    fits: ``max_batch * cdiv(heads, 16)`` counters, 2 KB for 128 heads at batch 64.
     """
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
+    counters: torch.Tensor
 
     @classmethod
     def allocate(
@@ -176,11 +234,20 @@ class MLADecodeWorkspace:
             (max_batch, num_heads, max_splits, KV_LORA_RANK), dtype=dtype, device=device
         )
         pl = torch.empty((max_batch, num_heads, max_splits), dtype=torch.float32, device=device)
-        return cls(po, pl)
+        counters = torch.zeros(
+            merge_counters_needed(max_batch, num_heads), dtype=torch.int32, device=device
+        )
+        return cls(po, pl, counters)
 
     @property
     def max_splits(self) -> int:
         return self.partial_out.shape[2]
+
+
+def merge_counters_needed(batch: int, num_heads: int, block_h: int = MIN_BLOCK_H) -> int:
+    """Fused-merge counters of a launch of ``batch`` sequences with ``num_heads`` heads in
+    blocks of ``block_h`` (default: the smallest block any config uses, so enough for all)."""
+    return batch * triton.cdiv(num_heads, block_h)
 
 
 def device_sm_count(device: torch.device) -> int:
@@ -277,6 +344,94 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _merge_if_last(
+    cnt_ptr,  # this group's counter
+    po_ptr,  # this sequence's partials, [H, splits, 512] by the strides
+    pl_ptr,  # this sequence's lse, [H, splits]
+    out_ptr,  # this sequence's output, [H, 512]
+    n_active,
+    offs_h,
+    mask_h,
+    stride_poh,
+    stride_pos,
+    stride_plh,
+    stride_oh,
+    BLOCK_H: tl.constexpr,
+    D_LAT: tl.constexpr,
+    ARRIVALS_PER_SPLIT: tl.constexpr,  # VSPLIT: each value slice of a split arrives
+    D_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,  # splits per step (unrolled)
+    LSE_CHUNK: tl.constexpr,
+):
+    """Fused stage 2 for one (sequence, head block): arrive at the group's counter once this
+    program's partial and lse are stored; the last of the group's ``n_active *
+    ARRIVALS_PER_SPLIT`` programs merges every active split (as the merge kernel does: out =
+    sum_s w_s * partial_s / sum_s w_s, w_s = 2^(lse_s - max lse)) into ``out`` for all
+    D_LAT values of the block's heads, then resets the counter. Partials are read back in
+    split order in fixed steps, the arriving program's own included, so the result is the
+    same whichever program arrives last. The group's lse slots end up holding w_s."""
+    tl.debug_barrier()  # every thread's partial and lse stores precede the release below
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_active * ARRIVALS_PER_SPLIT - 1:
+        # .cg: other SMs wrote these partials and lse; read them from L2, never a stale L1
+        # line
+        pl = pl_ptr + offs_h * stride_plh  # [BLOCK_H]
+        offs_l = tl.arange(0, LSE_CHUNK)
+        n_lse = tl.cdiv(n_active, LSE_CHUNK)
+        lse_ok = mask_h[:, None] & (offs_l < n_active)[None, :]
+        # The first LSE_CHUNK splits' lse stay in registers for both passes (one L2 round
+        # trip where that is all of them). Later chunks are combined element-wise and
+        # reduced once after the loop, as the merge kernel's single reduction (a reduction
+        # inside the loop whose result is used twice trips Triton 3.6's thread-locality pass).
+        lse0 = tl.load(pl[:, None] + offs_l[None, :], mask=lse_ok, other=float("-inf"),
+                       cache_modifier=".cg")  # fmt: skip
+        m_all = lse0
+        for c in range(1, n_lse):
+            s = c * LSE_CHUNK + offs_l
+            lse = tl.load(pl[:, None] + s[None, :], mask=mask_h[:, None] & (s < n_active)[None, :],
+                          other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+            m_all = tl.maximum(m_all, lse)
+        m = tl.max(m_all, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)  # masked heads: weights 0, nothing stored
+        # The weights go back into the lse slots (this program owns them now): the partial
+        # loop then loads each split's weights in the accumulator's row layout. Computed in
+        # the loop from lse and m (another layout), they cost a shared-memory layout
+        # conversion and two CTA barriers per split, which serialised the partial loads.
+        w_all = tl.where(lse0 > float("-inf"), tl.exp2(lse0 - m[:, None]), 0.0)
+        tl.store(pl[:, None] + offs_l[None, :], w_all, mask=lse_ok)
+        for c in range(1, n_lse):
+            s = c * LSE_CHUNK + offs_l
+            ok = mask_h[:, None] & (s < n_active)[None, :]
+            lse = tl.load(pl[:, None] + s[None, :], mask=ok, other=float("-inf"),
+                          cache_modifier=".cg")  # fmt: skip
+            w = tl.where(lse > float("-inf"), tl.exp2(lse - m[:, None]), 0.0)
+            tl.store(pl[:, None] + s[None, :], w, mask=ok)
+            w_all += w
+        denom = tl.sum(w_all, axis=1)
+        denom = tl.where(denom > 0.0, denom, 1.0)
+        tl.debug_barrier()  # the weights are stored before any thread reads them back
+
+        # 2-D tiles in the accumulator's own layout; the CHUNK splits of a step are
+        # independent loads, in flight together.
+        po = po_ptr + offs_h[:, None] * stride_poh
+        for d0 in range(0, D_LAT, D_BLOCK):
+            offs_d = d0 + tl.arange(0, D_BLOCK)
+            acc = tl.zeros([BLOCK_H, D_BLOCK], tl.float32)
+            for c in range(0, tl.cdiv(n_active, CHUNK)):
+                for u in tl.static_range(CHUNK):
+                    s = c * CHUNK + u
+                    ok = mask_h & (s < n_active)
+                    w = tl.load(pl + s, mask=ok, other=0.0)  # this program's own stores
+                    part = tl.load(po + s * stride_pos + offs_d[None, :], mask=ok[:, None],
+                                   other=0.0, cache_modifier=".cg")  # fmt: skip
+                    acc += part.to(tl.float32) * w[:, None]
+            o = acc / denom[:, None]
+            o_ptrs = out_ptr + offs_h[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+        tl.store(cnt_ptr, 0)  # every arrival is in: zero for the next call or graph replay
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     q_ptr,
     kv_ptr,
@@ -286,6 +441,7 @@ def _mla_decode_split_kernel(
     out_ptr,
     po_ptr,
     pl_ptr,
+    cnt_ptr,  # fused merge: int32 arrival counters, one per (sequence, head block)
     qk_scale,  # sm_scale * log2(e)
     num_heads,
     stride_qb,
@@ -313,6 +469,10 @@ def _mla_decode_split_kernel(
     FP8_QK: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,  # the last split program of a group merges (no merge launch)
+    TAIL_D_BLOCK: tl.constexpr,  # fused merge: values per step ...
+    TAIL_CHUNK: tl.constexpr,  # ... of this many splits
+    TAIL_LSE_CHUNK: tl.constexpr,
 ):
     # Grid: (head_groups * VSPLIT, splits, batch). The VSPLIT programs of one (group,
     # split) are adjacent in launch order, so the second one's KV reads hit L2.
@@ -450,6 +610,15 @@ def _mla_decode_split_kernel(
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             pl = pl_ptr + b.to(tl.int64) * stride_plb + offs_h * stride_plh + split
             tl.store(pl, lse, mask=mask_h)
+        if FUSED_MERGE:
+            _merge_if_last(
+                cnt_ptr + b * (tl.num_programs(0) // VSPLIT) + hg,
+                po_ptr + b.to(tl.int64) * stride_pob,
+                pl_ptr + b.to(tl.int64) * stride_plb,
+                out_ptr + b.to(tl.int64) * stride_ob,
+                n_active, offs_h, mask_h, stride_poh, stride_pos, stride_plh, stride_oh,
+                BLOCK_H, D_LAT, VSPLIT, TAIL_D_BLOCK, TAIL_CHUNK, TAIL_LSE_CHUNK,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -511,6 +680,24 @@ def _mla_decode_merge_kernel(
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
+def split_workspace(
+    out: torch.Tensor, num_splits: int, workspace: MLADecodeWorkspace | None
+) -> MLADecodeWorkspace:
+    """The workspace for ``num_splits`` (> 1) splits of ``out``'s batch and heads: the
+    caller's (checked to fit) or a fresh one (partials in bf16, fp32 for an fp32 ``out``)."""
+    if not 2 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [2, {MAX_SPLITS}] with partials, got {num_splits}")
+    batch, heads = out.shape[0], out.shape[1]
+    if workspace is None:
+        po_dtype = torch.float32 if out.dtype == torch.float32 else torch.bfloat16
+        workspace = MLADecodeWorkspace.allocate(batch, heads, num_splits, out.device, po_dtype)
+    if workspace.max_splits < num_splits or workspace.partial_out.shape[0] < batch:
+        raise ValueError("workspace too small for this batch / num_splits")
+    if workspace.partial_out.shape[1] != heads:
+        raise ValueError("workspace was allocated for a different head count")
+    return workspace
+
+
 def split_partials(
     out: torch.Tensor, num_splits: int, workspace: MLADecodeWorkspace | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -521,15 +708,29 @@ def split_partials(
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if num_splits == 1:
         return out, out
-    batch, heads = out.shape[0], out.shape[1]
-    if workspace is None:
-        po_dtype = torch.float32 if out.dtype == torch.float32 else torch.bfloat16
-        workspace = MLADecodeWorkspace.allocate(batch, heads, num_splits, out.device, po_dtype)
-    if workspace.max_splits < num_splits or workspace.partial_out.shape[0] < batch:
-        raise ValueError("workspace too small for this batch / num_splits")
-    if workspace.partial_out.shape[1] != heads:
-        raise ValueError("workspace was allocated for a different head count")
-    return workspace.partial_out, workspace.partial_lse
+    ws = split_workspace(out, num_splits, workspace)
+    return ws.partial_out, ws.partial_lse
+
+
+def merge_counters(
+    workspace: MLADecodeWorkspace, batch: int, num_heads: int, block_h: int
+) -> torch.Tensor:
+    """The workspace's fused-merge counters, checked to hold one per (sequence, head block)
+    of the launch."""
+    counters = workspace.counters
+    need = merge_counters_needed(batch, num_heads, block_h)
+    if counters.dtype != torch.int32 or counters.numel() < need:
+        raise ValueError(f"workspace counters must be int32 with >= {need} elements")
+    return counters
+
+
+def fused_merge_tile(block_h: int, num_warps: int) -> tuple[int, int]:
+    """(values, splits) per step of the fused merge tail: a [block_h, values] accumulator of
+    FUSED_MERGE_ELEMS_PER_THREAD values per thread (up to all 512), FUSED_MERGE_UNROLL
+    splits' partials loaded per step."""
+    elems = FUSED_MERGE_ELEMS_PER_THREAD * _THREADS_PER_WARP * num_warps
+    d_block = min(KV_LORA_RANK, 1 << (max(elems // block_h, 1).bit_length() - 1))
+    return d_block, FUSED_MERGE_UNROLL
 
 
 def launch_merge(
@@ -655,17 +856,27 @@ def mla_decode(
             batch, heads, max_context, config, device_sm_count(q.device)
         )
     num_splits = int(num_splits)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if config.vsplit not in (1, 2):
+        raise ValueError("config.vsplit must be 1 or 2")
     direct = num_splits == 1
-    po, pl = split_partials(out, num_splits, workspace)
+    fused = config.fused_merge and not direct
+    head_groups = triton.cdiv(heads, config.block_h)
+    if direct:
+        po, pl, counters = out, out, out  # unused placeholders: stage 1 writes out
+    else:
+        ws = split_workspace(out, num_splits, workspace)
+        po, pl = ws.partial_out, ws.partial_lse
+        counters = merge_counters(ws, batch, heads, config.block_h) if fused else out
     min_tokens = config.min_split_tokens
     min_tiles = min_split_tiles(
         config.block_n if min_tokens is None else min_tokens, config.block_n
     )
     has_scale = kv_cache.dtype == torch.float8_e4m3fn
     scale_arg = kv_scale if has_scale else out
-    if config.vsplit not in (1, 2):
-        raise ValueError("config.vsplit must be 1 or 2")
-    grid = (triton.cdiv(heads, config.block_h) * config.vsplit, num_splits, batch)
+    tail_d_block, tail_chunk = fused_merge_tile(config.block_h, config.num_warps)
+    grid = (head_groups * config.vsplit, num_splits, batch)
     _mla_decode_split_kernel[grid](
         q,
         kv_cache,
@@ -675,6 +886,7 @@ def mla_decode(
         out,
         po,
         pl,
+        counters,
         float(sm_scale) * LOG2E,
         heads,
         q.stride(0),
@@ -702,10 +914,14 @@ def mla_decode(
         FP8_QK=bool(config.fp8_qk and has_scale),
         FP8_MAX=FP8_E4M3_MAX,
         MIN_SPLIT_TILES=min_tiles,
+        FUSED_MERGE=fused,
+        TAIL_D_BLOCK=tail_d_block,
+        TAIL_CHUNK=tail_chunk,
+        TAIL_LSE_CHUNK=FUSED_MERGE_LSE_CHUNK,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if not direct:
+    if not direct and not fused:
         hb, db = merge_blocks(batch, heads)
         chunk = MERGE_CHUNK if (hb, db) == (1, MERGE_MIN_D_BLOCK) else 1
         launch_merge(

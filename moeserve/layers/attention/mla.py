@@ -108,10 +108,12 @@ class MLADecodeScratch:
     fixed addresses; sized for every batch <= max_batch at the largest context. `gluon`:
     the Gluon kernel (kernels/attention/mla_decode_gluon.py) can serve the cache, decided once at
     allocation (--mla-decode-kernel); which kernel serves a batch then follows from static
-    sizes only."""
+    sizes only. The Triton kernel's fused-merge counters are zero between calls (each call
+    resets the ones it used), so the layers share them too."""
 
     partial_out: torch.Tensor  # flat, [rows * heads * 512] in the partials' dtype
     partial_lse: torch.Tensor  # flat fp32 [rows * heads]
+    counters: torch.Tensor  # flat int32, zeroed: merge_counters_needed(max_batch, heads)
     num_heads: int
     sm_count: int
     gluon: str | None = None  # "prefer", "always" or None (the kernel plan's MLA decode)
@@ -145,7 +147,7 @@ class MLADecodeScratch:
         sm_count: int,
         gluon: str | None = None,
     ) -> MLADecodeScratch:
-        from moeserve.kernels.attention.mla_decode import KV_LORA_RANK
+        from moeserve.kernels.attention.mla_decode import KV_LORA_RANK, merge_counters_needed
 
         rows = max(
             b * cls.plan(b, num_heads, max_context, sm_count, gluon)[1]
@@ -155,22 +157,31 @@ class MLADecodeScratch:
         po_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
         po = torch.empty(rows * num_heads * KV_LORA_RANK, dtype=po_dtype, device=device)
         pl = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
-        return cls(po, pl, num_heads, sm_count, gluon)
+        counters = torch.zeros(
+            merge_counters_needed(max_batch, num_heads), dtype=torch.int32, device=device
+        )
+        return cls(po, pl, counters, num_heads, sm_count, gluon)
 
     def workspace(
         self, batch: int, max_context: int
     ) -> tuple[Callable, MLADecodeWorkspace, int] | None:
         """(decode kernel, workspace view, num_splits) for this batch, or None if it does not
         fit."""
-        from moeserve.kernels.attention.mla_decode import KV_LORA_RANK, MLADecodeWorkspace
+        from moeserve.kernels.attention.mla_decode import (
+            KV_LORA_RANK,
+            MLADecodeWorkspace,
+            merge_counters_needed,
+        )
 
         kernel, splits = self.plan(batch, self.num_heads, max_context, self.sm_count, self.gluon)
         n = batch * self.num_heads * splits
         if n > self.partial_lse.numel():
             return None
+        if merge_counters_needed(batch, self.num_heads) > self.counters.numel():
+            return None
         po = self.partial_out[: n * KV_LORA_RANK].view(batch, self.num_heads, splits, -1)
         pl = self.partial_lse[:n].view(batch, self.num_heads, splits)
-        return kernel, MLADecodeWorkspace(po, pl), splits
+        return kernel, MLADecodeWorkspace(po, pl, self.counters), splits
 
 
 class MLAAttention(nn.Module):
@@ -451,7 +462,11 @@ class MLAAttention(nn.Module):
         (c and k_pe may be column views of one buffer)."""
         tokens = x.shape[0]
         fused = self.fused_qkv_a_proj
-        if fused is not None:
+        normed = self._qkv_a_normed(x)
+        if normed is not None:
+            q_a, c, k_pe = normed.split([self.q_lora, self.kv_lora, self.rope], dim=-1)
+            q = self.q_b_proj(q_a)
+        elif fused is not None:
             qkv = fused(x)
             qn, kvn = self.q_a_layernorm, self.kv_a_layernorm
             norm_kernels = self.use_kernels or qn.kernels  # as RMSNorm decides
@@ -473,6 +488,27 @@ class MLAAttention(nn.Module):
             c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
             c = self.kv_a_layernorm(c)
         return q.view(tokens, self.num_heads, self.nope + self.rope), c, k_pe
+
+    def _qkv_a_normed(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[q_a normed | c normed | k_pe] of decode rows in one launch, both a-norms in the
+        split-K GEMV's epilogue, where it serves (a merged 16-bit q_a / kv_a weight without
+        bias on the GPU); None elsewhere."""
+        fused = self.fused_qkv_a_proj
+        if fused is None or not (x.is_cuda and fused.dense_gemv) or fused.bias is not None:
+            return None
+        if not isinstance(fused.method, UnquantizedLinearMethod):
+            return None
+        from moeserve.kernels.gemm.w16_gemv import NormSegment, w16_gemv, w16_gemv_supported
+
+        if not w16_gemv_supported(x, fused.weight):
+            return None
+        qn, kvn = self.q_a_layernorm, self.kv_a_layernorm
+        norms = (
+            NormSegment(0, self.q_lora, qn.weight, qn.eps),
+            NormSegment(self.q_lora, self.kv_lora, kvn.weight, kvn.eps),
+        )
+        ws = getattr(fused, "w16_workspace", None)
+        return w16_gemv(x, fused.weight, norms=norms, workspace=ws)
 
     def _forward_kernels(
         self,

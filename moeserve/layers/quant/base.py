@@ -114,7 +114,26 @@ class UnquantizedLinearMethod(LinearMethod):
             from moeserve.kernels.gemm.invariant import gemm16
 
             return gemm16(x.reshape(-1, x.shape[-1]), layer.weight).view(*x.shape[:-1], -1)
+        if x.is_cuda and getattr(layer, "dense_gemv", False):
+            from moeserve.kernels.gemm.w16_gemv import w16_gemv, w16_gemv_supported
+
+            rows = x.reshape(-1, x.shape[-1])
+            if w16_gemv_supported(rows, layer.weight):  # decode rows: the split-K GEMV
+                ws = getattr(layer, "w16_workspace", None)
+                return w16_gemv(rows, layer.weight, workspace=ws).view(*x.shape[:-1], -1)
         return torch.nn.functional.linear(x, layer.weight)
+
+    def prepare_cuda_graph(self, layer: nn.Module, max_tokens: int, shared: dict) -> None:
+        """The decode GEMV's split-K workspace, one per weight shape (the layers' calls run
+        one after another on one stream, so they share it)."""
+        w = layer.weight
+        if getattr(layer, "dense_gemv", False) and w.is_cuda:
+            from moeserve.kernels.gemm.w16_gemv import W16Workspace
+
+            key = ("w16_gemv", *w.shape)
+            if key not in shared:
+                shared[key] = W16Workspace.for_shape(w.shape[0], w.shape[1], w.device)
+            layer.w16_workspace = shared[key]
 
 
 class QuantConfig(ABC):
