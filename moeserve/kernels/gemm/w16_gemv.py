@@ -97,7 +97,7 @@ class W16Workspace:
         """A workspace for every call on a weight [n, k] with up to `rows` rows (default: the
         table's max_m) under the tile table (or `config` over it)."""
         device = torch.device(device)
-        top = max_rows(TABLE, f"{n}x{k}") if rows is None else rows
+        top = max(1, max_rows(TABLE, f"{n}x{k}") if rows is None else rows)
         split = max(planned_split(m, n, k, device, config) for m in range(1, top + 1))
         return W16Workspace.allocate(top, n, split, device)
 
@@ -126,6 +126,12 @@ def planned_split(
     return _plan(_config(rows, n, k, config), n, k, device)[1]
 
 
+def w16_gemv_rows(n: int, k: int) -> int:
+    """Most rows the GEMV serves for a weight [n, k] (0: the table leaves that shape to
+    cuBLAS)."""
+    return min(MAX_ROWS, max_rows(TABLE, f"{n}x{k}"))
+
+
 def w16_gemv_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """True when `w16_gemv(x, w)` serves this product: 16-bit x and W of one dtype, 2-D,
     matching K that is a multiple of 8, at most the table's max_m rows, on CUDA (or under the
@@ -135,7 +141,7 @@ def w16_gemv_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     n, k = w.shape
     if x.shape[1] != k or k % K_ALIGN:
         return False
-    if x.shape[0] > min(MAX_ROWS, max_rows(TABLE, f"{n}x{k}")):
+    if x.shape[0] > w16_gemv_rows(n, k):
         return False
     return (x.is_cuda and w.is_cuda) or interpreting()
 

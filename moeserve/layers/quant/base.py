@@ -128,8 +128,10 @@ class UnquantizedLinearMethod(LinearMethod):
         one after another on one stream, so they share it)."""
         w = layer.weight
         if getattr(layer, "dense_gemv", False) and w.is_cuda:
-            from moeserve.kernels.gemm.w16_gemv import W16Workspace
+            from moeserve.kernels.gemm.w16_gemv import W16Workspace, w16_gemv_rows
 
+            if not w16_gemv_rows(*w.shape):
+                return  # cuBLAS serves this shape
             key = ("w16_gemv", *w.shape)
             if key not in shared:
                 shared[key] = W16Workspace.for_shape(w.shape[0], w.shape[1], w.device)
