@@ -128,6 +128,7 @@ class KernelPlan:
     mla_decode: str = "torch"  # "gluon", "gluon-prefer", "triton", "prefill" or "torch"
     router_fused: bool = False  # the one-launch gate GEMV + routing for one token
     pdl: bool = False  # decode kernels launch with programmatic dependent launch (sm_90+)
+    dense_gemv: bool = False  # 16-bit linears: decode rows by the split-K Triton GEMV
     cpu_native: bool = False  # the native CPU kernels (bf16 activations)
     invariant: bool = False  # batch-invariant schedules (--deterministic)
     cuda_graphs: bool = False
@@ -307,11 +308,19 @@ def _gpu_plan(
     cap = hw.capability
     triton = cap >= TRITON_CAPABILITY
     fp8_ok = cap >= FP8_CONVERSION_CAPABILITY
+    dense_gemv = triton and not s.deterministic
+    if s.deterministic and triton:
+        dense = "batch-invariant Triton GEMM"
+    elif dense_gemv:
+        dense = "split-K Triton GEMV (1-4 decode rows, shapes its tile table serves), else cuBLAS"
+    else:
+        dense = "cuBLAS"
     out = [
         KernelChoice(
             "BF16 linears",
-            "batch-invariant Triton GEMM" if s.deterministic and triton else "cuBLAS",
-            "the LM head and every linear the checkpoint keeps unquantized",
+            dense,
+            "every linear the checkpoint keeps unquantized (MLA's q_a / kv_a GEMV also does "
+            "both a-norms); the LM head by cuBLAS",
         )
     ]
     linears, choices = _linear_choices(model_cfg, quant, hw, s)
@@ -391,6 +400,7 @@ def _gpu_plan(
         mla_decode=mla_decode,
         router_fused=router_fused,
         pdl=pdl,
+        dense_gemv=dense_gemv,
         invariant=s.deterministic and triton,
         cuda_graphs=not s.enforce_eager and not graph_blockers,
         kv_cache_dtype=kv,

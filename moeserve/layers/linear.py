@@ -124,7 +124,7 @@ class LinearBase(nn.Module):
         self.native_cpu = plan.cpu_native
         self.batch_invariant = plan.invariant
         self.pdl = plan.pdl
-        self.dense_gemv = plan.triton and not plan.invariant
+        self.dense_gemv = plan.dense_gemv
 
     def prepare_cuda_graph(self, max_tokens: int, max_context: int, shared: dict) -> None:
         self.method.prepare_cuda_graph(self, max_tokens, shared)
