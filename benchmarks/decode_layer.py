@@ -192,7 +192,7 @@ def _moe_layer_bytes(engine, batch: int) -> tuple[int, float]:
     touches (uniform routing)."""
     rest, expert_bytes, e = _layer_byte_parts(engine)
     cfg = engine.loaded.config
-    touched = e * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
+    touched = e * (1 - (1 - cfg.moe.num_experts_per_tok / cfg.moe.n_routed_experts) ** batch)
     sim = _simulated_routings(engine)
     if sim:  # a simulated EP rank: the busiest rank's expected distinct experts
         touched = sim[0].expected(batch).distinct

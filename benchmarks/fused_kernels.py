@@ -318,7 +318,11 @@ def _bench_attention_layer(dev: str, dims: dict, records: list, context: int) ->
 
     cfg = ModelConfig.from_hf(_layer_config(dims))
     rot = RotaryEmbedding(
-        cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, True
+        cfg.mla.qk_rope_head_dim,
+        cfg.max_position_embeddings,
+        cfg.rope_theta,
+        cfg.rope_scaling,
+        True,
     ).to(dev)
     with torch.device(dev):
         layer = MLAAttention(cfg, "model.layers.0.self_attn", rot, None, dtype=torch.bfloat16)

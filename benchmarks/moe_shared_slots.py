@@ -33,7 +33,9 @@ quant = Fp8BlockConfig((128, 128))
 def build(slots: bool) -> DeepseekMoE:
     with torch.device("cuda"):
         m = DeepseekMoE(
-            dataclasses.replace(cfg, shared_experts_as_slots=slots),
+            dataclasses.replace(
+                cfg, moe=dataclasses.replace(cfg.moe, shared_experts_as_slots=slots)
+            ),
             "model.layers.3.mlp",
             quant,
             dtype=torch.bfloat16,
@@ -73,7 +75,7 @@ def main() -> int:
     with torch.no_grad():
         sep.gate.weight.copy_(slot.gate.weight)
         sep.gate.e_score_correction_bias.copy_(slot.gate.e_score_correction_bias)
-        e = cfg.n_routed_experts
+        e = cfg.moe.n_routed_experts
         for suffix in ("weight", "weight_scale_inv"):
             w13, w2 = getattr(slot.experts.w13, suffix), getattr(slot.experts.w2, suffix)
             getattr(sep.experts.w13, suffix).copy_(w13[:e])

@@ -458,13 +458,13 @@ def check_folder(folder: str) -> CheckReport:
         + f", {total / (1 << 30):.2f} GiB"
     )
     archs = raw.get("architectures") or [raw.get("model_type")]
-    kind = "MoE" if cfg.n_routed_experts else "dense"
+    kind = "MoE" if cfg.moe is not None else "dense"
     desc = f"architecture: {archs[0]} -> {cfg.architecture} ({kind}, {cfg.num_hidden_layers} layers"
-    if cfg.n_routed_experts:
+    if cfg.moe is not None:
         dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
         desc += (
-            f": {dense} dense + {cfg.num_hidden_layers - dense} MoE, {cfg.n_routed_experts} "
-            f"routed experts, top-{cfg.num_experts_per_tok}"
+            f": {dense} dense + {cfg.num_hidden_layers - dense} MoE, {cfg.moe.n_routed_experts} "
+            f"routed experts, top-{cfg.moe.num_experts_per_tok}"
         )
     desc += ")" + (f", text weights under {cfg.weight_prefix}" if cfg.weight_prefix else "")
     report.lines.append(desc)

@@ -131,10 +131,63 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of a decoder-only model: dense Llama or DeepSeek-V3 (MLA + MoE)."""
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-V2/V3, Kimi): queries through a low-rank `q_lora_rank`
+    bottleneck (None: one q_proj), keys and values from one cached latent of `kv_lora_rank`
+    plus a shared RoPE key of `qk_rope_head_dim`."""
 
-    architecture: str  # "llama" | "deepseek_v3"
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """The width of one cached row: [latent | roped k_pe]."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed and shared experts (DeepSeek-V3 / Kimi) and how tokens are routed to them."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "greedy"
+    scoring_func: str = "softmax"
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+    # serving layout, not architecture: shared experts run as extra slots of the routed
+    # experts' fused kernel where their format allows (layers/moe.py shared_expert_slots);
+    # False keeps them a separate MLP (tests compare the two)
+    shared_experts_as_slots: bool = True
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+
+    @property
+    def grouped(self) -> bool:
+        """Whether routing is limited to the best `topk_group` of `n_group` expert groups."""
+        return self.topk_method in ("noaux_tc", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only model: the fields every architecture has, and a section
+    per family of layers it uses (`mla`, `moe`, `vision`; None where it has none)."""
+
+    architecture: str  # a key of the architecture table (moeserve/models/registry.py)
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -151,53 +204,24 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype = torch.bfloat16  # the checkpoint's own dtype
-    # MLA (DeepSeek-V3 / Kimi)
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    # MoE
-    n_routed_experts: int = 0
-    n_shared_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    first_k_dense_replace: int = 0
-    moe_layer_freq: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    topk_method: str = "greedy"
-    scoring_func: str = "softmax"
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = False
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    # Kimi-K2.5's vision tower and projector (None: a text-only model)
+    vision: VisionConfig | None = None
     num_nextn_predict_layers: int = 0
     # the checkpoint layer index of the MTP module built and served as a draft model
     # (speculative decoding, method mtp); -1: none (MTP layers are skipped on load)
     mtp_index: int = -1
     # where the text model's weights live inside the checkpoint ("" or "language_model.")
     weight_prefix: str = ""
-    # Kimi-K2.5's vision tower and projector (None: a text-only model)
-    vision: VisionConfig | None = None
-    # serving layout, not architecture: shared experts run as extra slots of the routed
-    # experts' fused kernel where their format allows (layers/moe.py shared_expert_slots);
-    # False keeps them a separate MLP (tests compare the two)
-    shared_experts_as_slots: bool = True
 
     # ---- derived -------------------------------------------------------------------------
     @property
     def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.mla is not None
 
     def is_moe_layer(self, i: int) -> bool:
-        return (
-            self.n_routed_experts > 0
-            and i >= self.first_k_dense_replace
-            and i % self.moe_layer_freq == 0
-        )
+        return self.moe is not None and self.moe.is_moe_layer(i)
 
     def context_len(self, requested: int | None) -> int:
         """The served context: `requested` (--max-model-len), else the model's; see
@@ -286,26 +310,35 @@ class ModelConfig:
         nextn = int(c.get("num_nextn_predict_layers") or 0)
         if nextn:
             log.info("MTP: %d next-token-prediction layer(s) skipped on load", nextn)
-        return ModelConfig(
-            architecture="deepseek_v3",
-            head_dim=c["qk_nope_head_dim"] + c["qk_rope_head_dim"],
-            q_lora_rank=c.get("q_lora_rank"),
+        experts = c.get("n_routed_experts") or 0
+        moe = None
+        if experts:
+            moe = MoEConfig(
+                n_routed_experts=experts,
+                num_experts_per_tok=c.get("num_experts_per_tok") or 0,
+                moe_intermediate_size=c.get("moe_intermediate_size") or 0,
+                n_shared_experts=c.get("n_shared_experts") or 0,
+                first_k_dense_replace=c.get("first_k_dense_replace") or 0,
+                moe_layer_freq=c.get("moe_layer_freq") or 1,
+                n_group=c.get("n_group") or 1,
+                topk_group=c.get("topk_group") or 1,
+                topk_method=c["topk_method"],
+                scoring_func=c["scoring_func"],
+                routed_scaling_factor=float(c["routed_scaling_factor"]),
+                norm_topk_prob=bool(c["norm_topk_prob"]),
+            )
+        mla = MLAConfig(
             kv_lora_rank=c["kv_lora_rank"],
             qk_nope_head_dim=c["qk_nope_head_dim"],
             qk_rope_head_dim=c["qk_rope_head_dim"],
             v_head_dim=c["v_head_dim"],
-            n_routed_experts=c.get("n_routed_experts") or 0,
-            n_shared_experts=c.get("n_shared_experts") or 0,
-            num_experts_per_tok=c.get("num_experts_per_tok") or 0,
-            moe_intermediate_size=c.get("moe_intermediate_size") or 0,
-            first_k_dense_replace=c.get("first_k_dense_replace") or 0,
-            moe_layer_freq=c.get("moe_layer_freq") or 1,
-            n_group=c.get("n_group") or 1,
-            topk_group=c.get("topk_group") or 1,
-            topk_method=c["topk_method"],
-            scoring_func=c["scoring_func"],
-            routed_scaling_factor=float(c["routed_scaling_factor"]),
-            norm_topk_prob=bool(c["norm_topk_prob"]),
+            q_lora_rank=c.get("q_lora_rank"),
+        )
+        return ModelConfig(
+            architecture="deepseek_v3",
+            head_dim=mla.qk_head_dim,
+            mla=mla,
+            moe=moe,
             num_nextn_predict_layers=nextn,
             attention_bias=bool(c.get("attention_bias", False)),
             **common,

@@ -211,7 +211,7 @@ def weights_per_gpu(
     built."""
     model = meta_model(cfg, quant, dtype, 0, tp, ep)
     best = rank_weights(model)
-    if ep and cfg.n_routed_experts % tp:
+    if ep and cfg.moe is not None and cfg.moe.n_routed_experts % tp:
         for r in range(1, tp):
             w = rank_weights(meta_model(cfg, quant, dtype, r, tp, ep))
             best = w if w.total > best.total else best
@@ -246,9 +246,10 @@ def activation_estimate(
     h = cfg.hidden_size
     heads = cfg.num_attention_heads // tp
     hidden = HIDDEN_STREAM_BUFFERS * tokens * h * act_bytes
-    if cfg.is_mla:
-        per_token = heads * cfg.qk_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        per_ctx = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim + cfg.qk_head_dim)
+    if cfg.mla is not None:
+        mla = cfg.mla
+        per_token = heads * mla.qk_head_dim + mla.latent_dim
+        per_ctx = heads * (mla.qk_nope_head_dim + mla.v_head_dim + mla.qk_head_dim)
     else:
         kv_heads = max(1, cfg.num_key_value_heads // tp)
         per_token = (heads + 2 * kv_heads) * cfg.head_dim
@@ -256,10 +257,11 @@ def activation_estimate(
     scores = heads * tokens * context * FP32_BYTES
     attention = (tokens * per_token + context * per_ctx) * act_bytes + scores
     mlp = 3 * tokens * (cfg.intermediate_size // tp) * act_bytes
-    if cfg.n_routed_experts:
-        inter = cfg.moe_intermediate_size if expert_parallel else cfg.moe_intermediate_size // tp
-        routed = tokens * cfg.num_experts_per_tok * (2 * inter + h) * act_bytes
-        router = 2 * tokens * cfg.n_routed_experts * FP32_BYTES
+    if cfg.moe is not None:
+        moe = cfg.moe
+        inter = moe.moe_intermediate_size if expert_parallel else moe.moe_intermediate_size // tp
+        routed = tokens * moe.num_experts_per_tok * (2 * inter + h) * act_bytes
+        router = 2 * tokens * moe.n_routed_experts * FP32_BYTES
         mlp = max(mlp, routed + router)
     logits = int(logit_rows * cfg.vocab_size * FP32_BYTES * (1 / tp + LOGIT_COPIES))
     return hidden + attention + mlp + logits
@@ -536,8 +538,8 @@ def decode_traffic(plan: Plan, context: int = PROJECTED_CONTEXT) -> DecodeTraffi
     cfg, parts = plan.model_cfg, plan.weights.by_part
     layers = cfg.num_hidden_layers - (1 if cfg.mtp_index >= 0 else 0)
     routed = parts.get("routed experts", 0)
-    if cfg.n_routed_experts:
-        routed = routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+    if cfg.moe is not None:
+        routed = routed * cfg.moe.num_experts_per_tok // cfg.moe.n_routed_experts
     skipped = {"routed experts", "embedding + lm_head", "MTP draft layer", "vision encoder"}
     read = sum(v for k, v in parts.items() if k not in skipped) + routed
     read += parts.get("embedding + lm_head", 0) // 2  # the LM head's half
@@ -609,7 +611,7 @@ def _dtype(d: torch.dtype) -> str:
 
 def format_plan(plan: Plan, suggestion: int | None = None) -> str:
     cfg = plan.model_cfg
-    kind = "MoE" if cfg.n_routed_experts else "dense"
+    kind = "MoE" if cfg.moe is not None else "dense"
     lines = [
         f"moeserve plan: {plan.path} on {plan.num_gpus} x {plan.gpu.key} ({plan.gpu.describe()})",
         f"model: {cfg.architecture} ({kind}, {cfg.num_hidden_layers} layers, vocab "
@@ -620,23 +622,24 @@ def format_plan(plan: Plan, suggestion: int | None = None) -> str:
         + (f" over {plan.hosts} hosts of {GPUS_PER_HOST}" if plan.hosts > 1 else "")
         + (f" ({plan.num_gpus - plan.tp} GPUs unused)" if plan.num_gpus > plan.tp else ""),
     ]
-    if cfg.n_routed_experts:
+    moe = cfg.moe
+    if moe is not None:
         if plan.expert_parallel:
             how = "whole experts (expert parallel)"
         else:
-            inter = cfg.moe_intermediate_size // plan.tp
-            how = f"each split to {inter} of {cfg.moe_intermediate_size} intermediate rows"
+            inter = moe.moe_intermediate_size // plan.tp
+            how = f"each split to {inter} of {moe.moe_intermediate_size} intermediate rows"
         lines.append(
             f"routed experts per GPU: {plan.weights.experts_per_rank} of "
-            f"{cfg.n_routed_experts} per MoE layer, {how}"
+            f"{moe.n_routed_experts} per MoE layer, {how}"
         )
-    if cfg.n_routed_experts and cfg.n_shared_experts:
+    if moe is not None and moe.n_shared_experts:
         where = (
             "slots of the fused MoE beside the routed experts"
             if plan.shared_slots
             else "a separate MLP (stored unlike the routed experts, or expert parallel)"
         )
-        lines.append(f"shared experts: {cfg.n_shared_experts} per MoE layer, {where}")
+        lines.append(f"shared experts: {moe.n_shared_experts} per MoE layer, {where}")
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.weights.by_part.items() if v)
     lines.append(f"weights per GPU: {_gib(plan.weights.total)} ({parts})")
     if plan.index_total is not None:
@@ -658,9 +661,9 @@ def format_plan(plan: Plan, suggestion: int | None = None) -> str:
         )
     layers = cfg.num_hidden_layers
     mtp = " + the MTP draft layer" if cfg.mtp_index >= 0 else ""
-    if cfg.is_mla:
+    if cfg.mla is not None:
         how = (
-            f"({layers} layers{mtp}) x ({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}) x "
+            f"({layers} layers{mtp}) x ({cfg.mla.kv_lora_rank} + {cfg.mla.qk_rope_head_dim}) x "
             f"{plan.kv_dtype.itemsize} B; the latent is replicated on every rank"
         )
     else:

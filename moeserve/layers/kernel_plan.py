@@ -190,14 +190,14 @@ def _linear_prefixes(cfg: ModelConfig) -> Iterator[str]:
     """The checkpoint-space names of the model's linears (what quant configs match)."""
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
-        if cfg.is_mla:
-            attn = ["q_a_proj", "q_b_proj"] if cfg.q_lora_rank else ["q_proj"]
+        if cfg.mla is not None:
+            attn = ["q_a_proj", "q_b_proj"] if cfg.mla.q_lora_rank else ["q_proj"]
             attn += ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
         else:
             attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
         yield from (f"{p}.self_attn.{a}" for a in attn)
         moe = cfg.is_moe_layer(i)
-        if moe and not cfg.n_shared_experts:
+        if moe and not cfg.moe.n_shared_experts:
             continue
         mlp = f"{p}.mlp.shared_experts" if moe else f"{p}.mlp"
         yield from (f"{mlp}.{x}_proj" for x in ("gate", "up", "down"))
@@ -268,7 +268,7 @@ def _cpu_plan(
                 fallback=not ok,
             )
         )
-        if model_cfg.n_routed_experts:
+        if model_cfg.moe is not None:
             out.append(
                 KernelChoice(
                     "routed experts", "per-expert loop, native GEMMs", "dequantized per call"
@@ -286,7 +286,7 @@ def _cpu_plan(
         if s.deterministic:
             attn += ", batch-invariant"
         out.append(KernelChoice("attention", attn, "CPU path"))
-        if model_cfg.n_routed_experts:
+        if model_cfg.moe is not None:
             out.append(KernelChoice("routed experts", "per-expert loop", "CPU path"))
     out.append(kv_choice)
     if s.tp_size > 1:
@@ -328,7 +328,7 @@ def _gpu_plan(
     graph_blockers: list[str] = []
     moe = "loop"
     router_fused = False
-    if model_cfg.n_routed_experts:
+    if model_cfg.moe is not None:
         fmt = quant_formats(quant)[0]
         # where native FP4 tensor cores go unused: why (None: no such hardware, or a kernel)
         fp4_gap = (
@@ -478,7 +478,7 @@ def _attention_choices(
             "torch",
             [KernelChoice("attention", "torch SDPA", "paged KV gathered per sequence")],
         )
-    layout = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    layout = (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim)
     if hw.capability >= TRITON_CAPABILITY and layout == MLA_KERNEL_LAYOUT:
         mla_decode, choice = _mla_decode_choice(cfg, hw, kv, s)
         prefill = KernelChoice(
@@ -517,7 +517,7 @@ def _moe_choice(
     fp4_gap: str | None,
     s: PlanSettings,
 ) -> tuple[str, KernelChoice]:
-    first_moe = f"model.layers.{cfg.first_k_dense_replace}.mlp.experts"
+    first_moe = f"model.layers.{cfg.moe.first_k_dense_replace}.mlp.experts"
     schedule = "; the tensor-core schedule at every token count (--deterministic)"
     if triton and s.act_dtype != torch.bfloat16:
         return "loop", KernelChoice(
@@ -574,11 +574,11 @@ def _router_fused_ok(cfg: ModelConfig, hw: Hardware) -> bool:
     probe (x @ W^T and the top experts against torch's, once per gate shape)."""
     from moeserve.kernels.routing.router_fused import FUSED_MAX_EXPERTS, probe_route_fused
 
-    if cfg.n_routed_experts > FUSED_MAX_EXPERTS:
+    if cfg.moe.n_routed_experts > FUSED_MAX_EXPERTS:
         return False
     if not hw.probe:
         return True
-    return probe_route_fused(torch.device(hw.device), cfg.n_routed_experts, cfg.hidden_size)
+    return probe_route_fused(torch.device(hw.device), cfg.moe.n_routed_experts, cfg.hidden_size)
 
 
 def _mla_decode_choice(

@@ -744,12 +744,12 @@ def shared_expert_slots(
     cfg: ModelConfig, prefix: str, quant: QuantConfig | None, tp: TPGroup = SINGLE
 ) -> int:
     """How many slots of the routed-expert banks the shared experts of the MoE layer `prefix`
-    take: `cfg.n_shared_experts`, or 0 where they stay a separate `DeepseekMLP`.
+    take: `cfg.moe.n_shared_experts`, or 0 where they stay a separate `DeepseekMLP`.
 
     A shared MLP of intermediate n * I is the sum of n experts of I (its gate/up rows and down
     columns split alike), so each can be one more expert of the fused kernel, weighted 1 for
     every token: one kernel reads it with the routed experts instead of ~5 launches. Needs
-    - `cfg.shared_experts_as_slots` (the switch) and shared experts at all;
+    - `cfg.moe.shared_experts_as_slots` (the switch) and shared experts at all;
     - the routed experts' stored format for gate, up and down (same `WeightScheme` type and
       settings; plain weights match plain weights): Kimi-K2.5 NVFP4's BF16 shared expert
       beside NVFP4 routed experts stays separate;
@@ -759,15 +759,16 @@ def shared_expert_slots(
     Decided from the config, the quant config and the TP group only, never from the device:
     every rank and device (and the planner's meta model) builds the same layout.
     """
-    n = cfg.n_shared_experts
-    if not (cfg.shared_experts_as_slots and n) or (tp.expert_parallel and tp.size > 1):
+    moe = cfg.moe
+    n = moe.n_shared_experts
+    if not (moe.shared_experts_as_slots and n) or (tp.expert_parallel and tp.size > 1):
         return 0
     routed = _routed_scheme(quant, prefix)
     for proj in ("gate_proj", "up_proj", "down_proj"):
         if not _same_scheme(_linear_scheme(quant, f"{prefix}.shared_experts.{proj}"), routed):
             return 0
     if n > 1:
-        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        inter, hidden = moe.moe_intermediate_size, cfg.hidden_size
         gate_up = routed.specs(inter, hidden, cfg.dtype)
         down = routed.specs(hidden, inter, cfg.dtype)
         if any(s.out_dim is not None and inter % s.out_block for s in gate_up) or any(
@@ -791,27 +792,28 @@ class DeepseekMoE(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        self.cfg = cfg
+        moe = cfg.moe
+        self.cfg = moe  # the routing settings
         self.tp = tp
         self.gate = Router(
-            cfg.n_routed_experts, cfg.hidden_size, cfg.topk_method == "noaux_tc", dtype
+            moe.n_routed_experts, cfg.hidden_size, moe.topk_method == "noaux_tc", dtype
         )
         # decided before any weight exists: it changes the banks' shapes and the loading
         self.shared_slots = shared_expert_slots(cfg, prefix, quant, tp)
         self.experts = RoutedExperts(
-            cfg.n_routed_experts,
+            moe.n_routed_experts,
             cfg.hidden_size,
-            cfg.moe_intermediate_size,
+            moe.moe_intermediate_size,
             _routed_scheme(quant, prefix),
             tp,
             dtype,
             num_shared=self.shared_slots,
-            slots_per_token=cfg.num_experts_per_tok + self.shared_slots,
+            slots_per_token=moe.num_experts_per_tok + self.shared_slots,
         )
-        if cfg.n_shared_experts and not self.shared_slots:
+        if moe.n_shared_experts and not self.shared_slots:
             self.shared_experts = DeepseekMLP(
                 cfg.hidden_size,
-                cfg.moe_intermediate_size * cfg.n_shared_experts,
+                moe.moe_intermediate_size * moe.n_shared_experts,
                 f"{prefix}.shared_experts",
                 quant,
                 tp,
@@ -822,13 +824,12 @@ class DeepseekMoE(nn.Module):
             self.shared_experts = None
         # rank simulation only (benchmarks, parallel/simulated.py): the router's ids replaced
         # by the busiest rank's expected share; None when serving
-        grouped = cfg.topk_method in ("noaux_tc", "group_limited_greedy")
         self.simulated_routing = simulated_routing(
             tp,
-            cfg.n_routed_experts,
-            cfg.num_experts_per_tok,
-            cfg.n_group if grouped else 1,
-            cfg.topk_group,
+            moe.n_routed_experts,
+            moe.num_experts_per_tok,
+            moe.n_group if moe.grouped else 1,
+            moe.topk_group,
         )
 
     def route(

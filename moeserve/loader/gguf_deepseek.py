@@ -253,9 +253,11 @@ def iter_deepseek2_weights(
         raise LoadError(
             f"GGUF file has attn_k_b without attn_v_b (or back) in layer {min(pending)}"
         )
-    if cfg.topk_method == "noaux_tc" and not any(".exp_probs_b." in t.name for t in reader.tensors):
+    moe = cfg.moe
+    routed_bias = moe is not None and moe.topk_method == "noaux_tc"
+    if routed_bias and not any(".exp_probs_b." in t.name for t in reader.tensors):
         # sigmoid routing without a correction bias: noaux_tc with a zero bias is that routing
         for i in range(cfg.num_hidden_layers):
             if cfg.is_moe_layer(i):
-                bias = torch.zeros(cfg.n_routed_experts)
+                bias = torch.zeros(moe.n_routed_experts)
                 yield f"model.layers.{i}.mlp.gate.e_score_correction_bias", bias

@@ -206,7 +206,7 @@ def _row_chunks(p: torch.Tensor, elements: int = 1 << 26) -> Iterator[torch.Tens
 
 
 def _describe(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, kv: torch.dtype) -> str:
-    kind = "MoE" if cfg.n_routed_experts else "dense"
+    kind = "MoE" if cfg.moe is not None else "dense"
     return (
         f"{cfg.architecture} ({kind}, {cfg.num_hidden_layers} layers), weights {quant.name}, "
         f"compute {str(dtype).replace('torch.', '')}, kv cache {str(kv).replace('torch.', '')}"

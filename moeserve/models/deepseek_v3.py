@@ -139,7 +139,7 @@ class DeepseekV3Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         # one RoPE table for all layers (YaRN tables cover factor * original positions)
         self.rotary = RotaryEmbedding(
-            cfg.qk_rope_head_dim,
+            cfg.mla.qk_rope_head_dim,
             cfg.max_position_embeddings,
             cfg.rope_theta,
             cfg.rope_scaling,
@@ -153,7 +153,7 @@ class DeepseekV3Model(nn.Module):
         if any(getattr(layer.mlp, "shared_slots", 0) for layer in self.layers):
             log.info(
                 "shared experts: experts %d.. of the routed banks (run with the routed experts)",
-                cfg.n_routed_experts,
+                cfg.moe.n_routed_experts,
             )
 
     def forward(
@@ -329,7 +329,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         bank_name, part = _EXPERT_PARTS[proj]
         bank = getattr(moe.experts, bank_name)
         target = f"{name[: match.start()]}.mlp.experts.{bank_name}.{suffix}"
-        first = self.config.n_routed_experts
+        first = self.config.moe.n_routed_experts
         for j, piece in enumerate(bank.split_shared(suffix, tensor, moe.shared_slots)):
             yield target, piece, (first + j, part)
 

@@ -115,13 +115,13 @@ class Eagle3Config:
         except KeyError as e:
             raise ConfigError(f"the EAGLE-3 config.json lacks {e}") from None
         # the head's layer is dense whatever MoE fields the config carries over
-        layer = replace(layer, n_routed_experts=0, n_shared_experts=0, num_experts_per_tok=0)
+        layer = replace(layer, moe=None)
         if kind == "llama" and layer.num_attention_heads % layer.num_key_value_heads:
             raise ConfigError(
                 f"{layer.num_attention_heads} attention heads do not group over "
                 f"{layer.num_key_value_heads} KV heads"
             )
-        if kind == "mla" and not layer.q_lora_rank:
+        if kind == "mla" and not layer.mla.q_lora_rank:
             raise ConfigError("an MLA EAGLE-3 head needs q_lora_rank in its config.json")
         eagle = raw.get("eagle_config") or {}
         ids = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.get(
@@ -271,7 +271,7 @@ class Eagle3DraftHead(nn.Module):
         )
         if cfg.kind == "mla":  # DeepSeek's interleaved RoPE on the rope dims (YaRN as set)
             self.rotary = RotaryEmbedding(
-                lc.qk_rope_head_dim,
+                lc.mla.qk_rope_head_dim,
                 lc.max_position_embeddings,
                 lc.rope_theta,
                 lc.rope_scaling,

@@ -27,10 +27,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 ROWS = (1, 3, 8, 64, 300)
 
 
+def _with_slots(cfg: ModelConfig, slots: bool) -> ModelConfig:
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, shared_experts_as_slots=slots))
+
+
 def _model(path: str, device: str, dtype: torch.dtype, slots: bool) -> DeepseekV3ForCausalLM:
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
-    cfg = dataclasses.replace(ModelConfig.from_hf(raw), shared_experts_as_slots=slots)
+    cfg = _with_slots(ModelConfig.from_hf(raw), slots)
     quant = quant_config_from_checkpoint(path, raw)
     # built as the loader builds it: the kernel plan of this device handed to the layers
     model, _ = build_model(
@@ -59,7 +63,7 @@ def test_slot_layer_matches_separate_mlp_and_cpu_loop(tmp_path, fmt):
     assert moe.shared_slots == 1 and moe.shared_experts is None
     assert sep.shared_slots == 0 and sep.shared_experts is not None
     assert moe.experts.supports_cuda_graph  # a fused kernel serves the banks
-    hidden = moe.cfg.hidden_size
+    hidden = slots.config.hidden_size
     for rows in ROWS:
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
         w, ids = moe.route(x)  # the Triton route kernel

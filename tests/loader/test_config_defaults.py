@@ -88,7 +88,7 @@ def test_transformers_5_config_routes_like_the_published_one(tmp_path):
     assert not {"topk_method", "scoring_func", "moe_layer_freq"} & set(saved)
     ours, ref = ModelConfig.from_hf(saved), ModelConfig.from_hf(PUBLISHED_V3)
     for name in ROUTING:
-        assert getattr(ours, name) == getattr(ref, name), name
+        assert getattr(ours.moe, name) == getattr(ref.moe, name), name
     assert ours.rope_scaling == ref.rope_scaling
     assert [ours.is_moe_layer(i) for i in range(61)] == [ref.is_moe_layer(i) for i in range(61)]
 
@@ -97,7 +97,7 @@ def test_transformers_5_config_routes_like_the_published_one(tmp_path):
 def test_an_omitted_v3_field_takes_transformers_default(drop):
     ref = ModelConfig.from_hf(PUBLISHED_V3)
     partial = {k: v for k, v in PUBLISHED_V3.items() if k != drop}
-    assert getattr(ModelConfig.from_hf(partial), drop) == getattr(ref, drop)
+    assert getattr(ModelConfig.from_hf(partial).moe, drop) == getattr(ref.moe, drop)
 
 
 def test_deepseek_v2_keeps_its_own_defaults():
@@ -109,5 +109,5 @@ def test_deepseek_v2_keeps_its_own_defaults():
     v2.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"])
     v2.update(n_routed_experts=64, num_experts_per_tok=6)
     cfg = ModelConfig.from_hf(v2)
-    assert (cfg.topk_method, cfg.scoring_func, cfg.n_group) == ("greedy", "softmax", 1)
-    assert (cfg.routed_scaling_factor, cfg.norm_topk_prob) == (1.0, False)
+    assert (cfg.moe.topk_method, cfg.moe.scoring_func, cfg.moe.n_group) == ("greedy", "softmax", 1)
+    assert (cfg.moe.routed_scaling_factor, cfg.moe.norm_topk_prob) == (1.0, False)

@@ -399,6 +399,7 @@ def test_missing_k_b_half_is_an_error():
     class R:
         tensors = [T()]
 
-    cfg = replace(ModelConfig.from_hf(CFG_V3), topk_method="greedy")
+    cfg = ModelConfig.from_hf(CFG_V3)
+    cfg = replace(cfg, moe=replace(cfg.moe, topk_method="greedy"))
     with pytest.raises(LoadError, match="attn_k_b"):
         list(iter_deepseek2_weights(R(), cfg, lambda t, i: torch.zeros(1, 2, 2)))

@@ -67,13 +67,18 @@ def test_published_configs_parse_to_their_layouts():
     mla = Eagle3Config.from_hf(PUBLISHED_MLA)
     assert mla.kind == "mla" and mla.aux_layer_ids == (2, 30, 58) and mla.num_aux == 3
     lc = mla.layer
-    assert (lc.q_lora_rank, lc.kv_lora_rank, lc.qk_rope_head_dim, lc.v_head_dim) == (
+    assert (
+        lc.mla.q_lora_rank,
+        lc.mla.kv_lora_rank,
+        lc.mla.qk_rope_head_dim,
+        lc.mla.v_head_dim,
+    ) == (
         1536,
         512,
         64,
         128,
     )
-    assert lc.n_routed_experts == 0 and lc.rope_scaling.type == "yarn"
+    assert lc.moe is None and lc.rope_scaling.type == "yarn"
     llama = Eagle3Config.from_hf(PUBLISHED_LLAMA)
     assert llama.kind == "llama" and llama.draft_vocab_size == 32000
     assert (llama.layer.head_dim, llama.layer.num_key_value_heads) == (128, 8)

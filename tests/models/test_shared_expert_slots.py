@@ -80,8 +80,13 @@ def fp8_checkpoint(hf) -> dict[str, torch.Tensor]:
     return out
 
 
-def _load(cfgd: dict, ckpt: dict, quant=FP8, **cfg_changes) -> DeepseekV3ForCausalLM:
-    cfg = dataclasses.replace(ModelConfig.from_hf(cfgd), **cfg_changes)
+def _moe(cfg: ModelConfig, **changes) -> ModelConfig:
+    """`cfg` with its MoE section changed."""
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **changes))
+
+
+def _load(cfgd: dict, ckpt: dict, quant=FP8, **moe_changes) -> DeepseekV3ForCausalLM:
+    cfg = _moe(ModelConfig.from_hf(cfgd), **moe_changes)
     model = DeepseekV3ForCausalLM(cfg, quant)
     loaded = model.load_weights(ckpt.items())
     params = {n for n, p in model.named_parameters() if not getattr(p, "optional", False)}
@@ -191,13 +196,13 @@ def test_slots_decision():
     ep = TPGroup(rank=0, size=2, expert_parallel=True)
     assert shared_expert_slots(cfg, p, FP8, ep) == 0
     assert shared_expert_slots(cfg, p, FP8, TPGroup(rank=1, size=2)) == 1
-    assert shared_expert_slots(dataclasses.replace(cfg, n_shared_experts=0), p, FP8) == 0
-    assert shared_expert_slots(dataclasses.replace(cfg, shared_experts_as_slots=False), p, FP8) == 0
+    assert shared_expert_slots(_moe(cfg, n_shared_experts=0), p, FP8) == 0
+    assert shared_expert_slots(_moe(cfg, shared_experts_as_slots=False), p, FP8) == 0
     # several shared experts: each must hold whole scale blocks
-    two = dataclasses.replace(cfg, n_shared_experts=2)
+    two = _moe(cfg, n_shared_experts=2)
     assert shared_expert_slots(two, p, None) == 2
     assert shared_expert_slots(two, p, FP8) == 0  # 32 rows each: one block shared
-    assert shared_expert_slots(dataclasses.replace(two, moe_intermediate_size=128), p, FP8) == 2
+    assert shared_expert_slots(_moe(two, moe_intermediate_size=128), p, FP8) == 2
 
 
 @pytest.mark.parametrize(
@@ -213,7 +218,7 @@ def test_slots_decision():
 def test_written_checkpoints_choose_by_format(tmp_path, like, fmt, slots):
     wc = write_checkpoint(str(tmp_path / "ck"), like, fmt)
     lm = load_safetensors_model(wc.path, torch.float32)
-    experts = lm.config.n_routed_experts
+    experts = lm.config.moe.n_routed_experts
     for moe in _moe_layers(lm.model):
         assert moe.shared_slots == slots
         for t in (*moe.experts.w13.view().values(), *moe.experts.w2.view().values()):

@@ -98,14 +98,15 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
     )
     kp, cfg = plan.kernel_plan, plan.model_cfg
     h, heads = cfg.hidden_size, cfg.num_attention_heads // plan.tp
+    mla, moe = cfg.mla, cfg.moe
     q_lora, lat, rope, nope, v = (
-        cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
-        cfg.v_head_dim,
+        mla.q_lora_rank, mla.kv_lora_rank, mla.qk_rope_head_dim, mla.qk_nope_head_dim,
+        mla.v_head_dim,
     )  # fmt: skip
     dense = cfg.intermediate_size // plan.tp
-    inter = cfg.moe_intermediate_size // plan.tp
-    slots = cfg.n_routed_experts + plan.shared_slots
-    width = cfg.num_experts_per_tok + plan.shared_slots
+    inter = moe.moe_intermediate_size // plan.tp
+    slots = moe.n_routed_experts + plan.shared_slots
+    width = moe.num_experts_per_tok + plan.shared_slots
     out: list[Recipe] = []
 
     def add(what: str, kernels: tuple[str, ...]) -> Callable:
@@ -138,25 +139,25 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
             # q_b_proj at the most rows (the lane-sum accumulators)
             wg.w16_gemv(t(wg.MAX_ROWS, q_lora), t(heads * (nope + rope), q_lora))
 
-    if kp.triton and cfg.n_routed_experts:
+    if kp.triton and moe is not None:
         routing = dict(
-            scoring_func=cfg.scoring_func, topk_method=cfg.topk_method, n_group=cfg.n_group,
-            topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
-            routed_scaling_factor=cfg.routed_scaling_factor, shared_slots=plan.shared_slots,
+            scoring_func=moe.scoring_func, topk_method=moe.topk_method, n_group=moe.n_group,
+            topk_group=moe.topk_group, norm_topk_prob=moe.norm_topk_prob,
+            routed_scaling_factor=moe.routed_scaling_factor, shared_slots=plan.shared_slots,
         )  # fmt: skip
-        experts = cfg.n_routed_experts
+        experts = moe.n_routed_experts
 
         @add("router", ("router._route_kernel",))
         def _() -> None:
             router.route(t(SMALL_BATCH, experts, dtype=f32), t(experts, dtype=f32),
-                         cfg.num_experts_per_tok, **routing)  # fmt: skip
+                         moe.num_experts_per_tok, **routing)  # fmt: skip
 
         if kp.router_fused:
 
             @add("router (one launch)", ("router_fused._router_fused_kernel",))
             def _() -> None:
                 router_fused.route_fused(t(DECODE, h), t(experts, h), t(experts, dtype=f32),
-                                         cfg.num_experts_per_tok, **routing)  # fmt: skip
+                                         moe.num_experts_per_tok, **routing)  # fmt: skip
 
     if kp.quantized_linears == "triton" and fmt == "nvfp4":
 

@@ -14,7 +14,7 @@ import torch
 
 from moeserve import plan
 from moeserve.cli import main
-from moeserve.config import EngineConfig, ModelConfig
+from moeserve.config import EngineConfig, MLAConfig, ModelConfig, MoEConfig
 from moeserve.hardware import GPUS, MIB
 from moeserve.layers.kernel_plan import (
     Hardware,
@@ -237,7 +237,11 @@ def test_deepseek_fp8_shared_expert_slot_counted_as_shared_expert():
     slots = plan.meta_model(cfg, quant, torch.bfloat16, 0, TP)
     assert slots.model.layers[3].mlp.shared_slots == 1
     separate = plan.meta_model(
-        dataclasses.replace(cfg, shared_experts_as_slots=False), quant, torch.bfloat16, 0, TP
+        dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, shared_experts_as_slots=False)),
+        quant,
+        torch.bfloat16,
+        0,
+        TP,
     )
     assert separate.model.layers[3].mlp.shared_slots == 0
     assert plan.rank_weights(slots) == plan.rank_weights(separate)
@@ -325,8 +329,9 @@ def test_choices_small_mla_layout_and_bf16_experts_and_cpu():
     cfg = ModelConfig(
         architecture="deepseek_v3", vocab_size=64, hidden_size=64, num_hidden_layers=2,
         num_attention_heads=4, intermediate_size=128, rms_norm_eps=1e-6, rope_theta=1e4,
-        max_position_embeddings=128, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        max_position_embeddings=128,
+        mla=MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+        moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
     )  # fmt: skip
     c = _by_what(_choices(cfg, NoQuant(), (9, 0), torch.bfloat16, "nvlink"))
     assert c["MLA decode"].choice.startswith("torch") and "512+64" in c["MLA decode"].reason

@@ -75,7 +75,7 @@ FP8_E4M3_MAX = 448.0
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
     """(qk_nope + qk_rope)^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN."""
-    scale = cfg.qk_head_dim**-0.5
+    scale = cfg.mla.qk_head_dim**-0.5
     rs = cfg.rope_scaling
     if rs is not None and rs.type == "yarn" and rs.mscale_all_dim:
         scale *= yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
@@ -201,11 +201,12 @@ class MLAAttention(nn.Module):
         EAGLE-3 draft layer reads [embedding | hidden], twice as wide)."""
         super().__init__()
         self.num_heads = tp.shard(cfg.num_attention_heads)
-        self.nope = cfg.qk_nope_head_dim
-        self.rope = cfg.qk_rope_head_dim
-        self.v_dim = cfg.v_head_dim
-        self.kv_lora = cfg.kv_lora_rank
-        self.q_lora = cfg.q_lora_rank
+        mla = cfg.mla
+        self.nope = mla.qk_nope_head_dim
+        self.rope = mla.qk_rope_head_dim
+        self.v_dim = mla.v_head_dim
+        self.kv_lora = mla.kv_lora_rank
+        self.q_lora = mla.q_lora_rank
         self.scale = mla_softmax_scale(cfg)
         self.rotary = [rotary]  # shared by all layers; a list keeps it out of state_dict
         heads, h = cfg.num_attention_heads, cfg.hidden_size
@@ -227,7 +228,7 @@ class MLAAttention(nn.Module):
                 )
             else:
                 self.q_proj = ColumnParallelLinear(
-                    h_in, heads * cfg.qk_head_dim, prefix=f"{prefix}.q_proj", **kw
+                    h_in, heads * mla.qk_head_dim, prefix=f"{prefix}.q_proj", **kw
                 )
             self.kv_a_proj_with_mqa = ReplicatedLinear(
                 h_in, a_sizes[1], bias=bias, prefix=a_prefixes[1], **kw
@@ -235,7 +236,7 @@ class MLAAttention(nn.Module):
         if self.q_lora:
             self.q_a_layernorm = RMSNorm(self.q_lora, cfg.rms_norm_eps, dtype)
             self.q_b_proj = ColumnParallelLinear(
-                self.q_lora, heads * cfg.qk_head_dim, prefix=f"{prefix}.q_b_proj", **kw
+                self.q_lora, heads * mla.qk_head_dim, prefix=f"{prefix}.q_b_proj", **kw
             )
         self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.rms_norm_eps, dtype)
         self.kv_b_proj = ColumnParallelLinear(
