@@ -1,8 +1,9 @@
-"""A sequence's logits depend only on its tokens, at the default dtype (bf16 on CPUs with bf16
-instructions): one prompt prefilled whole, in chunks of 16 and of 64, with its first half
-computed in an earlier step (what a prefix-cache hit reuses), and its last tokens decoded one
-per step or verified several at once, gives bit-identical last-position logits. For the
-SmolLM2 default (Q4_1 GGUF), and tiny Kimi-K2.5 NVFP4 and DeepSeek-V3 block-FP8 checkpoints.
+"""A sequence's logits depend only on its tokens, at bf16 (the default on CPUs with bf16
+instructions; asked for here so that the native kernels run on any CPU): one prompt prefilled
+whole, in chunks of 16 and of 64, with its first half computed in an earlier step (what a
+prefix-cache hit reuses), and its last tokens decoded one per step or verified several at once,
+gives bit-identical last-position logits. For the SmolLM2 default (Q4_1 GGUF), and tiny
+Kimi-K2.5 NVFP4 and DeepSeek-V3 block-FP8 checkpoints.
 
 The model runs through the engine's own runner: real paged KV cache, page table and kernels.
 With torch's CPU kernels (`--cpu-kernels torch`) these logits differ (a 37-row GEMM or
@@ -30,8 +31,7 @@ def models(tmp_path_factory):
 
 
 def _engine(path: str | None, **kw) -> LLM:
-    extra = {} if path is None else dict(device="cpu", dtype="bfloat16")
-    return LLM(path, max_model_len=256, **extra, **kw)
+    return LLM(path, max_model_len=256, device="cpu", dtype="bfloat16", **kw)
 
 
 @pytest.mark.parametrize("name", ["smollm2", "kimi-k2.5-nvfp4", "deepseek-v3-fp8"])

@@ -1,8 +1,9 @@
-"""Same question, same answer, over HTTP on the default model at the default dtype (bf16 on
-CPUs with bf16 instructions; prefix caching on, one engine thread as `moeserve serve` runs on
-two cores): a question asked again after others, its prompt's first pages now served from the
-prefix cache, gets the same text and the same log-probabilities; a seeded sampled request
-sent twice gives the same text; streamed and non-streamed greedy answers are equal.
+"""Same question, same answer, over HTTP on the default model at bf16 (its default on CPUs with
+bf16 instructions; asked for so that the native kernels run on any CPU; prefix caching on, one
+engine thread as `moeserve serve` runs on two cores): a question asked again after others, its
+prompt's first pages now served from the prefix cache, gets the same text and the same log-
+probabilities; a seeded sampled request sent twice gives the same text; streamed and non-
+streamed greedy answers are equal.
 
 With torch's CPU kernels the repeated France question below gave another answer (its first
 token's top two log-probabilities are 0.1 apart and moved by that much when 32 of its 37
@@ -42,7 +43,7 @@ def server():
     import torch
 
     threads = torch.get_num_threads()
-    engine = engine_mod.build_async_engine(max_model_len=2048, threads=1)
+    engine = engine_mod.build_async_engine(max_model_len=2048, threads=1, dtype="bfloat16")
     app = create_app(engine, ServerConfig(served_model_name=engine.model_name))
     try:
         with ServerThread(app, startup_timeout=60) as srv:
@@ -81,12 +82,16 @@ def _cache_hits(server) -> float:
     return float(re.search(r"^moeserve_prefix_cache_hits_total (\S+)$", text, re.M).group(1))
 
 
-def test_the_default_runs_the_native_kernels_at_bf16(server):
+def test_bf16_runs_the_native_kernels_and_is_the_default_where_the_cpu_has_bf16(server):
     import torch
+
+    from moeserve.config import cpu_has_bf16, parse_dtype
 
     loaded = server.engine.engine.loaded
     assert loaded.kv_cache_dtype == torch.bfloat16
     assert loaded.kernel_plan.cpu_native
+    default = parse_dtype("auto", torch.float32, "cpu")
+    assert default == (torch.bfloat16 if cpu_has_bf16() else torch.float32)
 
 
 def test_a_question_asked_again_gets_the_same_answer(server, client):
