@@ -11,7 +11,7 @@ MoE layer; prefix caching off, so each request prefills its whole prompt. The im
 pixels) is preprocessed as the server does (Pillow resize, normalisation, patches: 74 x 74
 patches -> 1,369 tokens); the prompt is 100 text tokens with the image's placeholder run in
 the middle. Timed with CUDA synchronisation, after warm-up runs:
-- `encode`: the vision encoder alone on the image (`ModelRunner.encode_images`);
+- `encode`: the vision encoder alone on the image (`ImageEncoding.encode`);
 - `ttft`: from `add_request` to the step that returns the first token, the encoder cache
   emptied before each request (the encoder runs inside the step, as for a new image);
 - `ttft_cached_image`: the same with the image's embeddings cached (the text prefill alone);
@@ -100,13 +100,13 @@ def main() -> None:
     def encode_once() -> float:
         sync()
         t0 = time.perf_counter()
-        runner.encode_images([item])
+        runner.images.encode([item])
         sync()
         return time.perf_counter() - t0
 
     def ttft_once(k: int, fresh_image: bool) -> float:
         if fresh_image:
-            runner.encoder_cache = EncoderCache()
+            runner.images.cache = EncoderCache()
         sync()
         t0 = time.perf_counter()
         eng.add_request(f"r{k}", ids, SamplingParams(max_tokens=1, temperature=0), [item])
@@ -126,7 +126,7 @@ def main() -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        runner.encode_images([item])
+        runner.images.encode([item])
         sync()
         peak = torch.cuda.max_memory_allocated() - base
     vision = runner.model.vision

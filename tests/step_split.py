@@ -26,7 +26,7 @@ def last_logits(llm: LLM, ids: list[int], splits: list[int]) -> torch.Tensor:
     runner = llm.engine.runner
     ps = runner.page_size
     pages = list(range(1, -(-len(ids) // ps) + 1))
-    runner.block_table[0].zero_()
+    runner.pages.table[0].zero_()
     done = sent = 0
     logits = None
     for n in splits:

@@ -114,7 +114,7 @@ class DraftModelProposer:
         drafting = [r for r, *_ in catch_up if r.request_id in last_row]
         self._execute(step)
         # per draft step: its device tokens, and each request's row in them
-        steps = [(eng.sampler.device_tokens(), dict(last_row))]
+        steps = [(eng.sampler.tokens.latest, dict(last_row))]
         # the row of the latest draft step's output each request's next draft step reads
         rows_of = {r.request_id: token_row[r.request_id] for r in drafting}
         for j in range(1, self.num_tokens):
@@ -137,7 +137,7 @@ class DraftModelProposer:
                 rows_of[r.request_id] = k
             self._execute(step)
             steps.append(
-                (eng.sampler.device_tokens(), {r.request_id: k for k, r in enumerate(going)})
+                (eng.sampler.tokens.latest, {r.request_id: k for k, r in enumerate(going)})
             )
             drafting = going
         host = torch.cat([t for t, _ in steps]).tolist()  # the one sync

@@ -47,11 +47,6 @@ class Request:
     # images whose embeddings replace placeholder tokens of the prompt, in prompt order
     images: list[ImageInput] = field(default_factory=list)
 
-    @property
-    def all_ids(self) -> list[int]:
-        """Prompt + output as a new list: O(length), for rare paths (prefix matching)."""
-        return self.prompt_ids + self.output_ids
-
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output without building the whole sequence."""
         p = len(self.prompt_ids)

@@ -46,9 +46,6 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def finish(self, req: Request) -> None:
         """Release a finished or aborted request (call after req.finish())."""
         if req in self.running:

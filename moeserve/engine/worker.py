@@ -151,7 +151,7 @@ def build_rank(cfg: EngineConfig, tp: TPGroup, device: str) -> ModelRunner:
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
     loaded = replace(loaded, load_seconds=time.perf_counter() - t0)
-    return ModelRunner(cfg, loaded, device, tp)
+    return ModelRunner(cfg, loaded, device, tp).start()
 
 
 def _eagle3_folder(cfg: EngineConfig) -> str | None:

@@ -60,20 +60,20 @@ class _StandIn:
 
 def _with_graphs(runner: ModelRunner, max_batch: int) -> DecodeGraphs:
     """The runner's decode graphs, replayed by stand-ins."""
-    g = runner._decode_graphs(max_batch)
+    g = runner.capture.target_graphs(max_batch)
     g.allocate_inputs()
     for size in g.sizes:
         g.graphs[size] = _StandIn(g, size)  # type: ignore[assignment]
-    runner.graphs = g
+    runner.capture.graphs = g
     # the CPU attention loops over host-side lengths, which a captured graph cannot carry
     # (on a GPU the kernels read the device's): give it those of the device tensor
-    decode_metadata = runner._decode_metadata
+    decode_metadata = runner.pages.decode_metadata
 
     def metadata(positions, rows, seq_lens):
         md = decode_metadata(positions, rows, seq_lens)
         return replace(md, seq_lens_host=seq_lens.tolist())
 
-    runner._decode_metadata = metadata  # type: ignore[method-assign]
+    runner.pages.decode_metadata = metadata  # type: ignore[method-assign]
     return g
 
 
@@ -135,7 +135,7 @@ def test_replayed_decode_with_placeholders_equals_the_eager_path(kimi):
     g = _with_graphs(runner, 4)
     limit = runner.vocab_limit
     staged: list[bool] = []
-    tensors = runner._tensors
+    tensors = runner.tensors
 
     def spy(step: StepInput, graph_size: int | None = None):
         st = tensors(step, graph_size)
@@ -143,7 +143,7 @@ def test_replayed_decode_with_placeholders_equals_the_eager_path(kimi):
             staged.append(st.staged)
         return st
 
-    runner._tensors = spy  # type: ignore[method-assign]
+    runner.tensors = spy  # type: ignore[method-assign]
     # the same three sequences twice: replayed (greedy, placeholder ids) and eager (the ids
     # resolved by the test), each in rows and pages of its own
     replayed, eager = _Seqs([0, 1, 2], 0), _Seqs([3, 4, 5], 128)
@@ -156,14 +156,14 @@ def test_replayed_decode_with_placeholders_equals_the_eager_path(kimi):
     plan = [[0, 1, 2], [2, 0, 1], [1, 2], [2, 1, 0], [0], [1, 0, 2]]
     for k, seqs in enumerate(plan):
         if k == 3:  # another step's greedy tokens (a draft's): reversed rows, not held yet
-            src = runner.sampler.device_tokens()
+            src = runner.tokens.latest
             flipped = torch.full((len(src), runner.vocab_size), -1.0)
             flipped[torch.arange(len(src)), src.flip(0)] = 1.0
             runner.sampler.greedy_on_device(flipped)
             slot = {s: len(src) - 1 - j for s, j in slot.items()}
         ids = [-1 - slot[s] if s in slot else known[s] for s in seqs]
         assert any(i < 0 for i in ids)
-        src = runner.sampler.device_tokens().tolist()
+        src = runner.tokens.latest.tolist()
         want_ids = _old_rule(ids, src)
         assert want_ids == [known[s] for s in seqs]
         # k == 4: a whole table row appended, too long for the room after the static inputs
@@ -174,11 +174,11 @@ def test_replayed_decode_with_placeholders_equals_the_eager_path(kimi):
         # the graph read the placeholders themselves: resolved inside the captured forward
         assert g.inputs_of(padded_size(len(seqs), g.sizes))[0, : len(seqs)].tolist() == ids
         # the logits and greedy tokens came from the captured forward too
-        assert la.data_ptr() == runner._graph_logits.data_ptr()
+        assert la.data_ptr() == runner.capture.logits.data_ptr()
         tokens = la[:, :limit].argmax(-1).tolist()
         assert tokens == lb[:, :limit].argmax(-1).tolist()
-        assert runner.sampler.device_tokens().tolist() == tokens
-        assert runner._graph_tokens[: len(tokens)].tolist() == tokens  # for the next replay
+        assert runner.tokens.latest.tolist() == tokens
+        assert runner.tokens.graph[: len(tokens)].tolist() == tokens  # for the next replay
         for j, s in enumerate(seqs):
             known[s] = tokens[j]
         slot = {s: j for j, s in enumerate(seqs)}
@@ -193,27 +193,27 @@ def test_replayed_decode_with_placeholders_equals_the_eager_path(kimi):
     tokens = first[:, :limit].argmax(-1).tolist()
     some = replace(replayed.decode([1, 0, 2], tokens), logit_rows=[0, 2])
     la = runner.execute_model(some)
-    assert la.shape == (2, runner.vocab_size) and la.data_ptr() != runner._graph_logits.data_ptr()
+    assert la.shape == (2, runner.vocab_size) and la.data_ptr() != runner.capture.logits.data_ptr()
     lb = runner.execute_model(replace(some, eager=True))  # the same step again, eagerly
     torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
 
 
 def test_a_replayed_step_is_packed_with_its_padding_columns(kimi):
     runner = _runner(kimi)
-    assert runner.graphs is None and runner._graph_tokens_of is None  # CPU: no graphs
+    assert runner.graphs is None and runner.tokens.graph_holds is None  # CPU: no graphs
     g = _with_graphs(runner, 8)
     pad = runner.max_rows
     four = StepInput(
         ids=[3, 4, 5, 6], positions=[1, 2, 3, 4], rows=[0, 1, 2, 3], seq_lens=[2, 3, 4, 5],
         query_lens=[1] * 4, logit_rows=[0, 1, 2, 3],
     )  # fmt: skip
-    st = runner._tensors(four, 4)
+    st = runner.tensors(four, 4)
     assert st.staged and st.packed.data_ptr() == g.staged.data_ptr()
     three = StepInput(
         ids=[-1, 7, -3], positions=[4, 9, 2], rows=[5, 1, 6], seq_lens=[5, 10, 3],
         query_lens=[1] * 3, page_updates=[1, 2, 1, 17, 6, 0, 2, 30, 31], logit_rows=[2, 0],
     )  # fmt: skip
-    st = runner._tensors(three, 4)
+    st = runner.tensors(three, 4)
     assert st.staged and st.packed.data_ptr() == g.staged.data_ptr()
     # what the graph of 4 reads: the step, then a padding column (the 4-step's is gone)
     assert g.inputs_of(4).tolist() == [
@@ -226,12 +226,12 @@ def test_a_replayed_step_is_packed_with_its_padding_columns(kimi):
     assert st.logit_rows.tolist() == [2, 0] and st.query_lens.tolist() == [1, 1, 1]
     assert st.query_start.dtype == torch.int32 and st.query_start.tolist() == [0, 1, 2, 3]
     assert st.hidden_rows.numel() == 0 and st.embed_rows.numel() == 0
-    assert runner.block_table[1, 2] == 17 and runner.block_table[6, :2].tolist() == [30, 31]
-    assert runner.block_table.dtype == torch.int32
-    assert int(runner.block_table.count_nonzero()) == 3  # nothing else written
+    assert runner.pages.table[1, 2] == 17 and runner.pages.table[6, :2].tolist() == [30, 31]
+    assert runner.pages.table.dtype == torch.int32
+    assert int(runner.pages.table.count_nonzero()) == 3  # nothing else written
     # an eager step keeps its lists unpadded, the first four one [4, B] block (what the
     # draft model's graphs copy in), in a buffer of its own
-    st = runner._tensors(replace(three, page_updates=[]))
+    st = runner.tensors(replace(three, page_updates=[]))
     assert not st.staged
     assert st.packed[:12].view(4, 3).tolist() == [
         [-1, 7, -3],

@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from moeserve.config import ServerConfig  # noqa: E402
 from moeserve.engine import async_engine as engine_mod  # noqa: E402
 from moeserve.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
-from moeserve.sampling import Sampler  # noqa: E402
+from moeserve.sampling.rows import RowStates  # noqa: E402
 from moeserve.server import api  # noqa: E402
 from moeserve.server import parsers as chat_parsers  # noqa: E402
 
@@ -147,14 +147,14 @@ def test_engine_killing_requests_fail_alone(server):
 def test_injected_error_fails_one_request(server, monkeypatch, where):
     base = server.base_url
     if where == "sampling":  # this request's sampler state cannot be built
-        real = Sampler._new_row
+        real = RowStates.new_row
 
         def broken_row(self, p, *args):
             if p.seed == 4242:
                 raise RuntimeError("injected sampling failure")
             return real(self, p, *args)
 
-        monkeypatch.setattr(Sampler, "_new_row", broken_row)
+        monkeypatch.setattr(RowStates, "new_row", broken_row)
         body = chat_body("Hi", max_tokens=8, seed=4242, temperature=0.8)
     elif where == "detokenizing":  # this request's detokenizer raises on its third token
         real_add = IncrementalDetokenizer.add

@@ -231,7 +231,7 @@ def test_chunked_prefill_cuts_an_image_and_encodes_it_once(folder, hf):
         steps += 1
     engine.shutdown()
     assert steps > NEW_TOKENS + image.num_tokens // 8
-    assert engine.runner.encoder_cache.misses == 1
+    assert engine.runner.images.cache.misses == 1
     got = Answer(engine.tokenizer.decode(tokens, skip_special_tokens=False), len(ids), lps)
     assert got.matches(oracle_answer(hf, engine.tokenizer, folder, messages))
 

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from moeserve.sampling import Sampler, SamplingError, SamplingParams, truncated_probs
+from moeserve.sampling import Sampler, SamplingError, SamplingParams, truncate, truncated_probs
+from moeserve.sampling.rows import RowStates
 
 
 def test_validation_messages():
@@ -120,14 +121,14 @@ def test_a_row_with_nothing_to_sample_fails_alone():
 
 def test_a_row_whose_state_fails_fails_alone(monkeypatch):
     s = Sampler()
-    real = Sampler._new_row
+    real = RowStates.new_row
 
     def broken(self, p, *args):
         if p.seed == 666:
             raise RuntimeError("injected")
         return real(self, p, *args)
 
-    monkeypatch.setattr(Sampler, "_new_row", broken)
+    monkeypatch.setattr(RowStates, "new_row", broken)
     logits = torch.tensor([[0.0, 5.0], [5.0, 0.0]])
     ps = [SamplingParams(temperature=0.5, seed=666), SamplingParams(temperature=0)]
     res = s(logits, ps, ["bad", "good"], [[], []], [[], []])
@@ -198,8 +199,6 @@ def test_batched_draws_follow_the_distribution():
 
 
 def test_batched_truncation_matches_the_one_row_reference():
-    from moeserve.sampling import truncate
-
     torch.manual_seed(0)
     logits = torch.randn(5, 30)
     ks, tps, mps = [0, 3, 10, 0, 1], [1.0, 0.9, 0.5, 0.3, 1.0], [0.0, 0.0, 0.1, 0.0, 0.5]
@@ -222,7 +221,7 @@ def test_sampler_device_greedy_and_logprobs_against_torch():
     second = sampler.greedy_on_device(steps[1])
     assert first.tolist() == steps[0][:, :vocab].argmax(-1).tolist()
     assert second.tolist() == steps[1][:, :vocab].argmax(-1).tolist()
-    assert sampler.device_tokens() is second
+    assert sampler.tokens.latest is second
 
     targets = [3, 0, 49]
     scored = sampler.logprobs_of(steps[0], targets, k=2)
