@@ -66,6 +66,8 @@ class ImageEncoding:
     def profile(self, base: int, prefill_peak: int) -> int:
         """The activation peak with images (GPU): the larger of the encoder on the largest
         image the processor makes and a prefill step, either beside a full encoder cache."""
+        if self.vision is None:
+            return prefill_peak
         cfg = self.vision.config
         grid = largest_image_grid(MediaProcessorConfig.for_model(cfg, self.model_path))
         patches = grid[1] * grid[2]
