@@ -11,7 +11,7 @@ Sections (T = tokens per call, 1 / 8 / 64):
 - rms_norm_pair: both MLA a-norms on the merged [T, 1536 + 576] output, in place, vs two
   F.rms_norm on the split (the kv part made contiguous, as the old path did);
 - route: router logits -> top-8 ids and weights, Kimi (E 384, 1 group) and DeepSeek (E 256,
-  8 groups keep 4) vs moeserve.layers.moe.select_experts (torch: sigmoid, topk, gather...);
+  8 groups keep 4) vs moeserve.layers.routing.select_experts (torch: sigmoid, topk, gather...);
 - rope + cache write (64 and 8 heads = TP8, BF16 and FP8 cache) vs RotaryEmbedding + the
   plain cache-write kernel + the cat of the absorbed query (the ops it replaced);
 - merged q_a + kv_a GEMM [7168 -> 2112] vs the two GEMMs (bf16 cuBLAS, weights cycled past L2);
@@ -55,7 +55,7 @@ from common import git_commit
 from moeserve.kernels.attention import kv_cache as kvc  # noqa: E402
 from moeserve.kernels.elementwise import norm as nk  # noqa: E402
 from moeserve.kernels.routing import router as rk  # noqa: E402
-from moeserve.layers.moe import select_experts  # noqa: E402
+from moeserve.layers.routing import select_experts  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 L2_FLUSH_BYTES = 256 << 20  # cycle weight copies until one pass exceeds the 50 MB L2

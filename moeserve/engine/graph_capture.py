@@ -1,7 +1,8 @@
 """A runner's captured decode steps: the target model's decode graphs (their forward also
 computes every row's logits into a static buffer and the greedy tokens behind them, into
 `DeviceTokens.graph`), and the draft model's one-token steps. Whether to capture at all is
-decided once, in `capture`; engine/cuda_graphs.py captures and replays."""
+decided once, by the kernel plan (`KernelPlan.cuda_graphs`, the target) and the draft
+head's modules; engine/cuda_graphs.py captures and replays."""
 
 from __future__ import annotations
 
@@ -37,11 +38,13 @@ class CapturedDecode:
     def capture(self, max_batch: int) -> str:
         """Capture decode graphs up to `max_batch` rows; the banner's line."""
         r = self.runner
+        plan = r.loaded.kernel_plan
         if max_batch <= 0:
             return "CUDA graphs off (--enforce-eager)"
-        blockers = graph_blockers(r.model)
-        if blockers:
-            return f"CUDA graphs off: {', '.join(blockers)} cannot be captured; decode runs eager"
+        if not plan.cuda_graphs:  # the plan's line says which part cannot be captured
+            line = next((c for c in plan.choices if c.what == "CUDA graphs"), None)
+            why = f": {line.reason}" if line is not None else ""
+            return f"CUDA graphs off{why}; decode runs eagerly"
         before = torch.cuda.memory_reserved(r.device)
         graphs = self.target_graphs(max_batch)
         try:

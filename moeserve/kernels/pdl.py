@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from moeserve.kernels.gemm.splitk import interpreting
+from moeserve.kernels.runtime import interpreting
 
 
 @triton.jit

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.kernel_plan import KernelPlan
+from moeserve.kernels import cpu as cpu_kernels
+from moeserve.kernels.gemm import invariant as invariant_kernels
 from moeserve.layers.quant.base import LinearMethod, make_param, materialize
 from moeserve.parallel.groups import SINGLE, TPGroup
+
+if TYPE_CHECKING:
+    from moeserve.layers.kernel_plan import KernelPlan
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,6 +53,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     largest single matrix of small models; a tied embedding keeps its float rows for lookup).
     """
 
+    native_weight = None  # the head packed for the native CPU kernels (a plain bf16 head)
+
     def __init__(self, *args, method: LinearMethod | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.method = method
@@ -66,8 +74,6 @@ class ParallelLMHead(VocabParallelEmbedding):
             return
         w = self.weight
         if self.native_cpu and w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0:
-            from moeserve.kernels import cpu as cpu_kernels
-
             self.native_weight = cpu_kernels.pack_bf16(w.data)
 
     def compute_logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,14 +82,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         on one rank the matmul's result is converted straight into it, no extra copy."""
         if self.method is not None:
             logits = self.method.apply(self, h, out_dtype=torch.float32)
-        elif getattr(self, "native_weight", None) is not None:
-            from moeserve.kernels import cpu as cpu_kernels
-
+        elif self.native_weight is not None:
             logits = cpu_kernels.linear(h, self.native_weight, torch.float32)
         elif self.batch_invariant and h.is_cuda:
-            from moeserve.kernels.gemm.invariant import gemm16
-
-            logits = gemm16(h, self.weight, torch.float32)
+            logits = invariant_kernels.gemm16(h, self.weight, torch.float32)
         else:
             logits = F.linear(h, self.weight)
             if out is None or self.tp.size > 1:

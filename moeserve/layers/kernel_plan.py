@@ -2,11 +2,16 @@
 why; resolved once at load from the hardware, the activation dtype, the checkpoint's format and
 the settings.
 
-The loader resolves it before any weight is read, hands it to every layer
-(`apply_kernel_plan`: each layer keeps what it needs from it and never asks again), and the
-start-up banner prints it; `moeserve plan` resolves the same object for a GPU that is not
-there (`Hardware.gpu`). Start-up probes that can turn a choice down on a real device (the
-Gluon MLA decode kernel, the one-launch router) run here, so the printed plan is what runs.
+The plan holds, for each part of the model, the backend class that serves it (MLA or GQA
+attention, routed experts, router, a whole fused decoder layer; each family's classes are
+listed by name in its module's table, `BACKENDS` / `EXPERTS` / `ROUTERS`) and the switches of
+the linears (`LinearKernels`); every printed line names what its backend is. The loader
+resolves it before any weight is read, hands it to every layer (`apply_kernel_plan`: each
+layer builds its backend from it and never asks again), and the start-up banner prints it;
+`moeserve plan` resolves the same object for a GPU that is not there (`Hardware.gpu`).
+Start-up probes that can turn a choice down on a real device (the Gluon MLA decode kernel,
+the one-launch router) and every shape check a kernel makes of its weights run here, so the
+printed plan is what runs, and `cuda_graphs` is exactly whether every part is capturable.
 
 Capabilities: Triton's tensor-core kernels need sm_80 (bf16); e4m3 conversions (NVFP4 scales,
 block-FP8 weights, an FP8 latent cache) need sm_89; the Gluon MLA decode kernel (TMA + wgmma)
@@ -18,16 +23,23 @@ plan says so.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.hardware import Interconnect
+from moeserve.kernels import cpu as cpu_kernels
+from moeserve.kernels.formats import MLA_LATENT_LAYOUT
+from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK
 from moeserve.layers.quant.base import NoQuant, QuantConfig, UnquantizedLinearMethod
+from moeserve.layers.quant.fp8_block import Fp8BlockConfig
+from moeserve.layers.quant.nvfp4 import CompressedTensorsNvfp4Config, ModelOptNvfp4Config
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +53,20 @@ NATIVE_FP4_MMA = {
     (10, 0): "tcgen05.mma kind::mxf4nvf4",
     (12, 0): "mma.sync kind::mxf4nvf4",
 }
-# the layout the Triton MLA kernels are written for (kernels/attention/mla_decode.py)
-MLA_KERNEL_LAYOUT = (512, 64)
+# where each family's backends are listed by name (imported when a plan needs them)
+BACKEND_TABLES = {
+    "mla": ("moeserve.layers.attention.mla_backends", "BACKENDS"),
+    "mha": ("moeserve.layers.attention.mha_backends", "BACKENDS"),
+    "experts": ("moeserve.layers.moe_backends", "EXPERTS"),
+    "router": ("moeserve.layers.moe_backends", "ROUTERS"),
+    "fused_layer": ("moeserve.layers.fused_layer", "BACKENDS"),
+}
+
+
+def backend(part: str, name: str) -> Any:
+    """The backend class `name` of the family `part` (BACKEND_TABLES)."""
+    module, table = BACKEND_TABLES[part]
+    return getattr(importlib.import_module(module), table)[name]
 
 
 @dataclass(frozen=True)
@@ -71,8 +95,6 @@ class Hardware:
         if dev.type == "cuda":
             cap = torch.cuda.get_device_capability(dev)
             return Hardware(capability=tuple(cap), probe=True, device=str(dev))
-        from moeserve.kernels import cpu as cpu_kernels
-
         lib = cpu_kernels.native()
         build = lib.describe() if lib is not None else ""
         return Hardware(native_cpu=lib is not None, native_build=build, device="cpu")
@@ -116,22 +138,41 @@ class PlanSettings:
 
 
 @dataclass(frozen=True)
+class LinearKernels:
+    """What serves the linear layers' matmuls (their quant methods read these switches)."""
+
+    stored_format: bool = False  # NVFP4 / block-FP8 weights: Triton kernels on the stored bytes
+    dense_gemv: bool = False  # 16-bit weights: decode rows by the split-K Triton GEMV
+    native_cpu: bool = False  # the native CPU GEMMs (bf16 activations)
+    invariant: bool = False  # batch-invariant schedules (--deterministic)
+    pdl: bool = False  # GEMVs launch with programmatic dependent launch
+
+    @property
+    def name(self) -> str:
+        if self.stored_format:
+            return "triton"
+        return "native" if self.native_cpu else "torch"
+
+
+@dataclass(frozen=True)
 class KernelPlan:
-    """The decisions the layers read, and the lines the banner and `moeserve plan` print."""
+    """The decisions the layers read, and the lines the banner and `moeserve plan` print.
+    The backend fields are classes of the families' tables (None: the model has no such
+    part); each layer builds its own instance."""
 
     hardware: Hardware
     choices: tuple[KernelChoice, ...]
-    triton: bool = False  # Triton kernels serve norms, SiLU*up, routing (GPU, sm_80+)
-    quantized_linears: str = "torch"  # NVFP4 / block-FP8 linears: "triton" or "torch"
-    moe: str = "loop"  # "fused" or "loop" (the per-expert loop)
-    mla: str = "torch"  # "triton" (absorbed kernels), "native" (CPU) or "torch"
-    mla_decode: str = "torch"  # "gluon", "gluon-prefer", "triton", "prefill" or "torch"
-    router_fused: bool = False  # the one-launch gate GEMV + routing for one token
+    triton: bool = False  # Triton kernels serve norms, SiLU*up (GPU, sm_80+)
+    linears: LinearKernels = LinearKernels()
+    mla: Any = None  # MLA attention (mla_backends.BACKENDS)
+    mha: Any = None  # GQA attention (mha_backends.BACKENDS)
+    experts: Any = None  # routed experts (moe_backends.EXPERTS)
+    router: Any = None  # the MoE router (moe_backends.ROUTERS)
+    fused_layer: Any = None  # a whole decoder layer as one call (fused_layer.BACKENDS)
     pdl: bool = False  # decode kernels launch with programmatic dependent launch (sm_90+)
-    dense_gemv: bool = False  # 16-bit linears: decode rows by the split-K Triton GEMV
     cpu_native: bool = False  # the native CPU kernels (bf16 activations)
     invariant: bool = False  # batch-invariant schedules (--deterministic)
-    cuda_graphs: bool = False
+    cuda_graphs: bool = False  # decode replayed: every part's backend is capturable
     kv_cache_dtype: torch.dtype = torch.bfloat16  # what the cache is allocated in
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -143,14 +184,28 @@ class KernelPlan:
     def fallbacks(self) -> int:
         return sum(c.fallback for c in self.choices)
 
+    def backend_names(self) -> dict[str, str]:
+        """Each part's backend by name (the parts the model has)."""
+        parts = {p: getattr(self, p) for p in BACKEND_TABLES}
+        out = {p: cls.name for p, cls in parts.items() if cls is not None}
+        return {"linears": self.linears.name, **out}
+
+
+@runtime_checkable
+class UsesKernelPlan(Protocol):
+    """A module that takes the plan (moeserve.layers.contract lists every such contract)."""
+
+    def use_kernel_plan(self, plan: KernelPlan) -> None:
+        """Keep what this module needs of the plan (its backends), before loading."""
+
 
 def apply_kernel_plan(model: nn.Module, plan: KernelPlan) -> None:
     """Hand the plan to every layer that chooses a kernel (once, before its weights are read
     and processed: some repack for the kernels they will run)."""
+    log.debug("kernel plan: %s", plan.backend_names())
     for layer in model.modules():
-        hook = getattr(layer, "use_kernel_plan", None)
-        if hook is not None:
-            hook(plan)
+        if isinstance(layer, UsesKernelPlan):
+            layer.use_kernel_plan(plan)
 
 
 # ---- resolution -------------------------------------------------------------------------------
@@ -176,9 +231,6 @@ def _fp4_fallback_reason(capability: tuple[int, int]) -> str:
 
 def quant_formats(quant: QuantConfig) -> tuple[str, bool]:
     """(stored weight format of the quantized layers: none | nvfp4 | fp8-block, W4A4)."""
-    from moeserve.layers.quant.fp8_block import Fp8BlockConfig
-    from moeserve.layers.quant.nvfp4 import CompressedTensorsNvfp4Config, ModelOptNvfp4Config
-
     if isinstance(quant, ModelOptNvfp4Config | CompressedTensorsNvfp4Config):
         return "nvfp4", bool(getattr(quant.scheme, "activations", False))
     if isinstance(quant, Fp8BlockConfig):
@@ -240,6 +292,15 @@ def resolve_kernel_plan(
     return _gpu_plan(model_cfg, quant, hardware, settings)
 
 
+def _native_widths(cfg: ModelConfig) -> bool:
+    """The widths the native CPU attention kernels take (pairs of bf16 values): MLA's nope,
+    latent and rope dims, GQA's head dim."""
+    if cfg.mla is not None:
+        return all(d % 2 == 0 for d in (cfg.mla.qk_nope_head_dim, cfg.mla.kv_lora_rank,
+                                        cfg.mla.qk_rope_head_dim))  # fmt: skip
+    return cfg.head_dim % 2 == 0
+
+
 def _cpu_plan(
     model_cfg: ModelConfig, quant: QuantConfig, hw: Hardware, s: PlanSettings
 ) -> KernelPlan:
@@ -250,6 +311,7 @@ def _cpu_plan(
             torch.float32,
             KernelChoice("KV cache", "float32", "torch's CPU attention is faster over fp32"),
         )
+    family = "mla" if model_cfg.is_mla else "mha"
     out: list[KernelChoice] = []
     if native:
         why = (
@@ -257,23 +319,22 @@ def _cpu_plan(
             "logit independent of how its sequence is split into steps or batched"
         )
         out.append(KernelChoice("linears", f"native CPU GEMM ({hw.native_build})", why))
-        ok = kv == torch.bfloat16
-        out.append(
-            KernelChoice(
-                "attention",
-                "native CPU paged attention" if ok else "torch",
-                ("absorbed MLA for every row" if model_cfg.is_mla else "GQA over the paged cache")
-                if ok
-                else f"the native kernel reads a bf16 cache, not {str(kv)[6:]}",
-                fallback=not ok,
-            )
-        )
+        attention = backend(family, "native")
+        if kv != torch.bfloat16:
+            why = f"the native kernel reads a bf16 cache, not {str(kv)[6:]}"
+        elif not _native_widths(model_cfg):
+            why = "the native kernel reads pairs of values: odd head widths"
+        else:
+            why = "absorbed MLA for every row" if model_cfg.is_mla else "GQA over the paged cache"
+            out.append(KernelChoice("attention", attention.label, why))
+            why = None
+        if why is not None:
+            attention = backend(family, "torch")
+            out.append(KernelChoice("attention", "torch", why, fallback=True))
+        experts = backend("experts", "native-loop")
+        router = backend("router", "native")
         if model_cfg.moe is not None:
-            out.append(
-                KernelChoice(
-                    "routed experts", "per-expert loop, native GEMMs", "dequantized per call"
-                )
-            )
+            out.append(KernelChoice("routed experts", experts.label, "dequantized per call"))
     else:
         if s.cpu_kernels == "torch":
             why = "--cpu-kernels torch"
@@ -282,20 +343,28 @@ def _cpu_plan(
         else:
             why = "the native CPU kernels did not build here (no C compiler?)"
         out.append(KernelChoice("linears", "torch", why, fallback=s.cpu_kernels != "torch"))
-        attn = "torch (gather + einsum)" if model_cfg.is_mla else "torch SDPA"
-        if s.deterministic:
-            attn += ", batch-invariant"
-        out.append(KernelChoice("attention", attn, "CPU path"))
+        invariant = s.deterministic and not model_cfg.is_mla
+        attention = backend(family, "torch-invariant" if invariant else "torch")
+        label = attention.label
+        if s.deterministic and model_cfg.is_mla:
+            label += ", batch-invariant"
+        out.append(KernelChoice("attention", label, "CPU path"))
+        experts, router = backend("experts", "loop"), backend("router", "torch")
         if model_cfg.moe is not None:
             out.append(KernelChoice("routed experts", "per-expert loop", "CPU path"))
     out.append(kv_choice)
     if s.tp_size > 1:
         out.append(KernelChoice("all-reduce", "gloo", "CPU processes"))
+    fused = native and not model_cfg.is_mla and model_cfg.moe is None
     return KernelPlan(
         hardware=hw,
         choices=tuple(out),
-        mla="native" if native and kv == torch.bfloat16 else "torch",
-        mla_decode="native" if native and kv == torch.bfloat16 else "torch",
+        linears=LinearKernels(native_cpu=native, invariant=s.deterministic and not native),
+        mla=attention if model_cfg.is_mla else None,
+        mha=None if model_cfg.is_mla else attention,
+        experts=experts if model_cfg.moe is not None else None,
+        router=router if model_cfg.moe is not None else None,
+        fused_layer=backend("fused_layer", "native") if fused else None,
         cpu_native=native,
         invariant=s.deterministic and not native,
         kv_cache_dtype=kv,
@@ -323,11 +392,10 @@ def _gpu_plan(
             "both a-norms); the LM head by cuBLAS",
         )
     ]
-    linears, choices = _linear_choices(model_cfg, quant, hw, s)
+    stored_format, choices = _linear_choices(model_cfg, quant, hw, s)
     out += choices
     graph_blockers: list[str] = []
-    moe = "loop"
-    router_fused = False
+    experts = router = None
     if model_cfg.moe is not None:
         fmt = quant_formats(quant)[0]
         # where native FP4 tensor cores go unused: why (None: no such hardware, or a kernel)
@@ -336,9 +404,9 @@ def _gpu_plan(
             if cap >= BLACKWELL_CAPABILITY and native_fp4_kernel(cap) is None
             else None
         )
-        moe, choice = _moe_choice(model_cfg, quant, fmt, triton, fp8_ok, fp4_gap, s)
+        experts, choice = _moe_choice(model_cfg, quant, fmt, triton, fp8_ok, fp4_gap, s)
         out.append(choice)
-        if moe == "loop":
+        if not experts.capturable:
             graph_blockers.append("routed experts")
         router_fused = (
             triton
@@ -346,20 +414,20 @@ def _gpu_plan(
             and s.act_dtype == torch.bfloat16
             and _router_fused_ok(model_cfg, hw)
         )
+        router = backend("router", "fused" if router_fused else "triton" if triton else "torch")
         out.append(
             KernelChoice(
                 "router",
-                ("gate GEMV + routing in one launch (one token), else " if router_fused else "")
-                + ("gate GEMM + Triton routing" if triton else "torch"),
+                router.label,
                 "the batch-invariant gate GEMM (--deterministic)"
                 if s.deterministic and triton
                 else "fp32 logits, top-k per token",
             )
         )
     kv, kv_choice = effective_kv_cache_dtype(s.kv_cache_dtype, cap)
-    mla, mla_decode, choices = _attention_choices(model_cfg, hw, kv, s)
+    attention, choices = _attention_choices(model_cfg, hw, kv, s)
     out += choices
-    if mla != "triton":
+    if not attention.capturable:
         graph_blockers.append("MLA decode" if model_cfg.is_mla else "attention")
     out.append(kv_choice)
     if s.enforce_eager:
@@ -390,18 +458,18 @@ def _gpu_plan(
                 fallback=not pdl,
             )
         )
+    invariant = s.deterministic and triton
     return KernelPlan(
         hardware=hw,
         choices=tuple(out),
         triton=triton,
-        quantized_linears=linears,
-        moe=moe,
-        mla=mla,
-        mla_decode=mla_decode,
-        router_fused=router_fused,
+        linears=LinearKernels(stored_format, dense_gemv, invariant=invariant, pdl=pdl),
+        mla=attention if model_cfg.is_mla else None,
+        mha=None if model_cfg.is_mla else attention,
+        experts=experts,
+        router=router,
         pdl=pdl,
-        dense_gemv=dense_gemv,
-        invariant=s.deterministic and triton,
+        invariant=invariant,
         cuda_graphs=not s.enforce_eager and not graph_blockers,
         kv_cache_dtype=kv,
     )
@@ -409,10 +477,8 @@ def _gpu_plan(
 
 def _linear_choices(
     cfg: ModelConfig, quant: QuantConfig, hw: Hardware, s: PlanSettings
-) -> tuple[str, list[KernelChoice]]:
-    """("triton" or "torch" for the quantized linears, their lines)."""
-    from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK
-
+) -> tuple[bool, list[KernelChoice]]:
+    """(whether Triton kernels serve the quantized linears' stored format, their lines)."""
     fmt, w4a4 = quant_formats(quant)
     quantized = any(
         not isinstance(quant.linear_method(p), UnquantizedLinearMethod)
@@ -430,7 +496,7 @@ def _linear_choices(
             )
         )
     if fmt == "none" or not quantized:
-        return "torch", out
+        return False, out
     what = "NVFP4 linears" if fmt == "nvfp4" else "block-FP8 linears"
     kernel = "Triton W4A16" if fmt == "nvfp4" else "Triton W8A16"
     need = (
@@ -463,49 +529,43 @@ def _linear_choices(
         else:
             reason = "128x128 block scales applied in-kernel"
         out.insert(0, KernelChoice(what, kernel, reason, fallback=native_fp4))
-        return "triton", out
+        return True, out
     out.insert(0, KernelChoice(what, "torch (dequantize + cuBLAS)", why, fallback=True))
-    return "torch", out
+    return False, out
 
 
 def _attention_choices(
     cfg: ModelConfig, hw: Hardware, kv: torch.dtype, s: PlanSettings
-) -> tuple[str, str, list[KernelChoice]]:
-    """(MLA path, MLA decode kernel, their lines); Llama-style attention: torch SDPA."""
+) -> tuple[Any, list[KernelChoice]]:
+    """(the attention backend, its lines); Llama-style attention: torch SDPA."""
     if not cfg.is_mla:
-        return (
-            "torch",
-            "torch",
-            [KernelChoice("attention", "torch SDPA", "paged KV gathered per sequence")],
-        )
+        mha = backend("mha", "torch")
+        return mha, [KernelChoice("attention", mha.label, "paged KV gathered per sequence")]
     layout = (cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim)
-    if hw.capability >= TRITON_CAPABILITY and layout == MLA_KERNEL_LAYOUT:
-        mla_decode, choice = _mla_decode_choice(cfg, hw, kv, s)
+    if hw.capability >= TRITON_CAPABILITY and layout == MLA_LATENT_LAYOUT:
+        mla, choice = _mla_decode_choice(cfg, hw, kv, s)
         prefill = KernelChoice(
             "MLA prefill",
             "Triton MLA prefill (absorbed, over the paged latent cache)",
             "every prefill chunk of a step in one launch"
             + ("" if s.deterministic else "; decode rows keep the decode kernel"),
         )
-        return "triton", mla_decode, [choice, prefill]
+        return mla, [choice, prefill]
     why = (
-        f"the Triton kernel is written for the {MLA_KERNEL_LAYOUT[0]}+{MLA_KERNEL_LAYOUT[1]} "
+        f"the Triton kernel is written for the {MLA_LATENT_LAYOUT[0]}+{MLA_LATENT_LAYOUT[1]} "
         f"layout, not {layout[0]}+{layout[1]}"
-        if layout != MLA_KERNEL_LAYOUT
+        if layout != MLA_LATENT_LAYOUT
         else f"no Triton kernels on {hw.name}"
     )
-    return (
-        "torch",
-        "torch",
-        [
-            KernelChoice("MLA decode", "torch (gather + einsum)", why, fallback=True),
-            KernelChoice(
-                "MLA prefill",
-                "torch SDPA, expanded form",
-                "per sequence; the cached latent is expanded through kv_b_proj",
-            ),
-        ],
-    )
+    mla = backend("mla", "torch")
+    return mla, [
+        KernelChoice("MLA decode", mla.label, why, fallback=True),
+        KernelChoice(
+            "MLA prefill",
+            "torch SDPA, expanded form",
+            "per sequence; the cached latent is expanded through kv_b_proj",
+        ),
+    ]
 
 
 def _moe_choice(
@@ -516,57 +576,60 @@ def _moe_choice(
     fp8_ok: bool,
     fp4_gap: str | None,
     s: PlanSettings,
-) -> tuple[str, KernelChoice]:
+) -> tuple[Any, KernelChoice]:
+    """(the routed experts' backend, its line)."""
     first_moe = f"model.layers.{cfg.moe.first_k_dense_replace}.mlp.experts"
     schedule = "; the tensor-core schedule at every token count (--deterministic)"
+    loop = backend("experts", "loop")
+    host_ids = "the loop reads expert ids on the host, so decode cannot be captured in a CUDA graph"
     if triton and s.act_dtype != torch.bfloat16:
-        return "loop", KernelChoice(
+        return loop, KernelChoice(
             "routed experts",
-            "per-expert loop (dequantize + cuBLAS)",
-            f"the fused MoE takes bf16 activations, not {str(s.act_dtype)[6:]}; the loop reads "
-            "expert ids on the host, so decode cannot be captured in a CUDA graph",
+            loop.label,
+            f"the fused MoE takes bf16 activations, not {str(s.act_dtype)[6:]}; {host_ids}",
             fallback=True,
         )
     if fmt == "nvfp4" and quant.moe_method(first_moe) is not None:
         if triton and fp8_ok:
+            fused = backend("experts", "fused-nvfp4")
             reason = "one launch for all experts; capturable in CUDA graphs"
             if fp4_gap is not None:
                 reason += f"; {fp4_gap}"
             if s.deterministic:
                 reason += schedule
-            return "fused", KernelChoice(
-                "routed experts", "fused Triton NVFP4 MoE", reason, fallback=fp4_gap is not None
+            return fused, KernelChoice(
+                "routed experts", fused.label, reason, fallback=fp4_gap is not None
             )
-        return "loop", KernelChoice(
+        return loop, KernelChoice(
             "routed experts",
-            "per-expert loop (dequantize + cuBLAS)",
+            loop.label,
             f"the fused NVFP4 MoE needs {_sm(FP8_CONVERSION_CAPABILITY)}+",
             fallback=True,
         )
     fp8 = fmt == "fp8-block" and quant.moe_method(first_moe) is not None
-    stored = "block-FP8" if fp8 else "BF16"
-    block = getattr(getattr(quant, "scheme", None), "block", 128) if fp8 else 128
-    if triton and (fp8_ok or not fp8) and block == 128:
-        return "fused", KernelChoice(
+    block = getattr(getattr(quant, "scheme", None), "block", FP8_BLOCK) if fp8 else 0
+    # the fused kernel reads whole scale blocks per expert along the intermediate dim
+    whole = not fp8 or cfg.moe.moe_intermediate_size % FP8_BLOCK == 0
+    if triton and (fp8_ok or not fp8) and block in (0, FP8_BLOCK) and whole:
+        fused = backend("experts", "fused-fp8" if fp8 else "fused-16bit")
+        return fused, KernelChoice(
             "routed experts",
-            f"fused Triton {stored} MoE",
+            fused.label,
             "one launch per projection for all experts"
             + ("; 128x128 block scales applied in-kernel" if fp8 else "")
             + "; capturable in CUDA graphs"
             + (schedule if s.deterministic else ""),
         )
-    why = (
-        f"the fused block-FP8 MoE needs {_sm(FP8_CONVERSION_CAPABILITY)}+ and 128x128 blocks"
-        if fp8
-        else "the fused MoE needs the Triton kernels"
-    )
-    return "loop", KernelChoice(
-        "routed experts",
-        "per-expert loop (dequantize + cuBLAS)",
-        f"{why}; the loop reads expert ids on the host, so decode cannot be captured in a "
-        "CUDA graph",
-        fallback=True,
-    )
+    if fp8 and triton and fp8_ok and block == FP8_BLOCK:
+        why = (
+            f"the fused block-FP8 MoE reads whole {FP8_BLOCK}-row scale blocks per expert, "
+            f"not an intermediate size of {cfg.moe.moe_intermediate_size}"
+        )
+    elif fp8:
+        why = f"the fused block-FP8 MoE needs {_sm(FP8_CONVERSION_CAPABILITY)}+ and 128x128 blocks"
+    else:
+        why = "the fused MoE needs the Triton kernels"
+    return loop, KernelChoice("routed experts", loop.label, f"{why}; {host_ids}", fallback=True)
 
 
 def _router_fused_ok(cfg: ModelConfig, hw: Hardware) -> bool:
@@ -583,7 +646,7 @@ def _router_fused_ok(cfg: ModelConfig, hw: Hardware) -> bool:
 
 def _mla_decode_choice(
     cfg: ModelConfig, hw: Hardware, kv: torch.dtype, s: PlanSettings
-) -> tuple[str, KernelChoice]:
+) -> tuple[Any, KernelChoice]:
     """MLA decode with the Triton kernels: the prefill kernel for every row under
     --deterministic; the Gluon kernel (Hopper) where the cache and --mla-decode-kernel allow
     it and its start-up probe passes; else the Triton one."""
@@ -594,12 +657,13 @@ def _mla_decode_choice(
     )
 
     if s.deterministic:
-        return "prefill", KernelChoice(
+        prefill = backend("mla", "triton-prefill")
+        return prefill, KernelChoice(
             "MLA decode",
-            "Triton MLA prefill kernel",
+            prefill.label,
             "every row through one kernel, key tiles from position 0 (--deterministic)",
         )
-    triton_choice = "Triton MLA decode (absorbed, split-KV)"
+    triton = backend("mla", "triton")
     blockers = []
     if s.mla_decode_kernel == "triton":
         blockers.append("--mla-decode-kernel triton")
@@ -626,19 +690,19 @@ def _mla_decode_choice(
         if blackwell:
             log.info("MLA decode: the Triton kernel on %s (the Gluon kernel needs wgmma)", hw.name)
         why = "; ".join(blockers)
-        return "triton", KernelChoice("MLA decode", triton_choice, why, fallback=blackwell)
+        return triton, KernelChoice("MLA decode", triton.label, why, fallback=blackwell)
     heads = max(1, cfg.num_attention_heads // s.tp_size)
     if hw.probe and not probe_gluon_mla(torch.device(hw.device), heads):
-        return "triton", KernelChoice(
-            "MLA decode", triton_choice, "the Gluon kernel's start-up probe failed", fallback=True
+        return triton, KernelChoice(
+            "MLA decode", triton.label, "the Gluon kernel's start-up probe failed", fallback=True
         )
     if s.mla_decode_kernel == "gluon":
-        return "gluon", KernelChoice(
-            "MLA decode", "Gluon MLA decode (TMA + wgmma)", "--mla-decode-kernel gluon"
-        )
-    return "gluon-prefer", KernelChoice(
+        gluon = backend("mla", "gluon")
+        return gluon, KernelChoice("MLA decode", gluon.label, "--mla-decode-kernel gluon")
+    prefer = backend("mla", "gluon-prefer")
+    return prefer, KernelChoice(
         "MLA decode",
-        "Gluon MLA decode (TMA + wgmma) / Triton",
+        prefer.label,
         "Gluon where it measured faster (cache capacity >= 4096 tokens, or > 16 heads per "
         "GPU at batch >= 8), Triton elsewhere",
     )

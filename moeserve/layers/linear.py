@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.layers.kernel_plan import KernelPlan
+from moeserve.layers.kernel_plan import KernelPlan, LinearKernels
 from moeserve.layers.quant.base import (
     NoQuant,
     QuantConfig,
@@ -28,6 +28,11 @@ class LinearBase(nn.Module):
 
     split_output = False
     split_input = False
+    # what the quant methods attach for their kernels (None until they do)
+    native_weight = None  # the weight packed for the native CPU kernels
+    w16_workspace = None  # the 16-bit split-K GEMV's static workspace (CUDA graphs)
+    splitk_workspace = None  # the quantized GEMMs' shared split-K workspace (CUDA graphs)
+    nvfp4_kernel_args = None  # (packed, scale, global [1], plan) of the NVFP4 kernels
 
     def __init__(
         self,
@@ -54,12 +59,7 @@ class LinearBase(nn.Module):
         self.local_outputs = self._local_output_sizes()
         self.local_output = sum(self.local_outputs)
         self.method = (quant or NoQuant()).linear_method(prefix)
-        # the kernel plan's choices for this layer (use_kernel_plan, before loading)
-        self.gpu_kernels = False  # Triton kernels on the stored format
-        self.native_cpu = False  # the native CPU kernels
-        self.batch_invariant = False  # --deterministic schedules
-        self.pdl = False  # GEMV kernels launch with programmatic dependent launch
-        self.dense_gemv = False  # 16-bit weights: decode rows by the split-K GEMV
+        self.kernels = LinearKernels()  # the kernel plan's (use_kernel_plan, before loading)
         self.method.create_weights(self, self.local_input, self.local_output, dtype)
         if bias:
             self.bias = make_param(torch.zeros(self.local_output, dtype=dtype), 0, None)
@@ -120,11 +120,32 @@ class LinearBase(nn.Module):
         self.method.process_weights_after_loading(self)
 
     def use_kernel_plan(self, plan: KernelPlan) -> None:
-        self.gpu_kernels = plan.quantized_linears == "triton"
-        self.native_cpu = plan.cpu_native
-        self.batch_invariant = plan.invariant
-        self.pdl = plan.pdl
-        self.dense_gemv = plan.dense_gemv
+        self.kernels = plan.linears
+
+    # the plan's switches, as the quant methods read them
+    @property
+    def gpu_kernels(self) -> bool:
+        """Triton kernels on the stored (quantized) format."""
+        return self.kernels.stored_format
+
+    @property
+    def native_cpu(self) -> bool:
+        return self.kernels.native_cpu
+
+    @property
+    def batch_invariant(self) -> bool:
+        """--deterministic schedules."""
+        return self.kernels.invariant
+
+    @property
+    def pdl(self) -> bool:
+        """GEMV kernels launch with programmatic dependent launch."""
+        return self.kernels.pdl
+
+    @property
+    def dense_gemv(self) -> bool:
+        """16-bit weights: decode rows by the split-K GEMV."""
+        return self.kernels.dense_gemv
 
     def prepare_cuda_graph(self, max_tokens: int, max_context: int, shared: dict) -> None:
         self.method.prepare_cuda_graph(self, max_tokens, shared)

@@ -7,12 +7,17 @@ fp32 and agree to one rounding of the activation dtype.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.kernel_plan import KernelPlan
+from moeserve.kernels.elementwise import norm as norm_kernels
 from moeserve.layers.quant.base import copy_loader, make_param
+
+if TYPE_CHECKING:
+    from moeserve.layers.kernel_plan import KernelPlan
 
 
 class RMSNorm(nn.Module):
@@ -42,11 +47,9 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm(x), or with `residual`: (RMSNorm(x + residual), x + residual)."""
         if self._kernel_ok(x, residual):
-            from moeserve.kernels.elementwise.norm import add_rmsnorm, rms_norm
-
             if residual is None:
-                return rms_norm(x, self.weight, self.eps, pdl=self.pdl)
-            return add_rmsnorm(x, residual, self.weight, self.eps, pdl=self.pdl)
+                return norm_kernels.rms_norm(x, self.weight, self.eps, pdl=self.pdl)
+            return norm_kernels.add_rmsnorm(x, residual, self.weight, self.eps, pdl=self.pdl)
         if residual is not None:
             x = x + residual
             residual = x

@@ -1,12 +1,21 @@
-"""The pre-norm residual block shared by the Llama and DeepSeek decoders."""
+"""The pre-norm residual block shared by the Llama and DeepSeek decoders, and its fused form:
+the whole layer as one call where the kernel plan chose a fused backend (`fused_decode`,
+moeserve/layers/fused_layer.py) and the layer's parts qualify."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from moeserve.layers.attention.metadata import ForwardContext
+from moeserve.layers.fused_layer import FusedLayerParts
 from moeserve.parallel.groups import SINGLE, TPGroup
+
+if TYPE_CHECKING:
+    from moeserve.layers.kernel_plan import KernelPlan
 
 
 def reduce_add_norm(
@@ -37,6 +46,21 @@ class PreNormDecoderLayer(nn.Module):
     # EAGLE-3: a preallocated [tokens, H] view that receives the residual stream entering this
     # layer (a draft head reads it); None: nothing captured, nothing copied
     aux_out: torch.Tensor | None = None
+    # the kernel plan's whole-layer backend (moeserve.layers.fused_layer), None: layer by layer
+    fused_decode: Any = None
+
+    def use_kernel_plan(self, plan: KernelPlan) -> None:
+        self.fused_decode = plan.fused_layer
+
+    def fused_parts(self) -> FusedLayerParts | None:
+        """The parts a fused backend reads (None: this kind of layer is never fused)."""
+        return None
+
+    def fused(self) -> Any:
+        """This layer as one call of the plan's fused backend, or None where there is none or
+        the parts do not qualify; asked once the weights are packed and the cache bound."""
+        parts = self.fused_parts() if self.fused_decode is not None else None
+        return None if parts is None else self.fused_decode.build(parts)
 
     def forward(
         self,
@@ -58,3 +82,9 @@ class PreNormDecoderLayer(nn.Module):
             self.post_attention_layernorm, x, residual, self.tp, self.partial_outputs
         )
         return self.mlp(x), residual
+
+
+def fused_stack(layers: Sequence[PreNormDecoderLayer]) -> list | None:
+    """Every layer as one fused call (`PreNormDecoderLayer.fused`), or None unless all are."""
+    fused = [layer.fused() for layer in layers]
+    return fused if fused and all(f is not None for f in fused) else None

@@ -150,7 +150,7 @@ class DeepseekV3Model(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if any(getattr(layer.mlp, "shared_slots", 0) for layer in self.layers):
+        if any(isinstance(m.mlp, DeepseekMoE) and m.mlp.shared_slots for m in self.layers):
             log.info(
                 "shared experts: experts %d.. of the routed banks (run with the routed experts)",
                 cfg.moe.n_routed_experts,
@@ -287,7 +287,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 continue
             shared = _SHARED.search(name)
             moe = layer.mlp if shared and layer is not None else None
-            if getattr(moe, "shared_slots", 0):
+            if isinstance(moe, DeepseekMoE) and moe.shared_slots:
                 yield from self._shared_slot_shards(name, shared, moe, tensor)
                 continue
             g = _GATE_UP.search(name)
@@ -317,8 +317,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         as one `gate_up_proj`."""
         mlp = layer.mlp
         if shared:
-            mlp = getattr(mlp, "shared_experts", None)
-        return getattr(mlp, "gate_up_proj", None) is not None
+            mlp = mlp.shared_experts if isinstance(mlp, DeepseekMoE) else None
+        return isinstance(mlp, DeepseekMLP) and mlp.gate_up_proj is not None
 
     def _shared_slot_shards(
         self, name: str, match: re.Match, moe: DeepseekMoE, tensor: torch.Tensor

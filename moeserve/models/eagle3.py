@@ -42,6 +42,7 @@ from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from moeserve.layers.linear import QKVParallelLinear, ReplicatedLinear
 from moeserve.layers.moe import DeepseekMLP
 from moeserve.layers.norm import RMSNorm
+from moeserve.layers.quant.base import materialize
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.decoder import reduce_add_norm
 from moeserve.models.llama import LlamaAttention, LlamaMLP
@@ -366,7 +367,7 @@ class Eagle3DraftHead(nn.Module):
         def tensors():
             for name, t in weights:
                 if rename(name) == "d2t":
-                    d2t.append(_materialize(t))
+                    d2t.append(torch.as_tensor(materialize(t)))
                     continue
                 yield name, t
 
@@ -397,10 +398,6 @@ class Eagle3DraftHead(nn.Module):
         if self.layer.mlp.gate_up_proj is not None:
             rules += [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
         return rules
-
-
-def _materialize(t: Any) -> torch.Tensor:
-    return t.materialize() if hasattr(t, "materialize") else torch.as_tensor(t)
 
 
 def head_cache_dtype(cfg: Eagle3Config, target_kv: torch.dtype, act: torch.dtype) -> torch.dtype:

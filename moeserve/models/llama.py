@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -10,18 +11,20 @@ from torch import nn
 
 from moeserve.config import ModelConfig
 from moeserve.kernels import cpu as cpu_kernels
-from moeserve.kernels.cpu import decoder as cpu_decoder
 from moeserve.layers.attention.metadata import ForwardContext
 from moeserve.layers.attention.mha import PagedAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from moeserve.layers.kernel_plan import KernelPlan
+from moeserve.layers.fused_layer import FusedLayerParts
 from moeserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.quant.base import QuantConfig
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.models.decoder import PreNormDecoderLayer
+from moeserve.models.decoder import PreNormDecoderLayer, fused_stack
 from moeserve.models.weights import finish_loading, load_weights_by_rules
 from moeserve.parallel.groups import SINGLE, TPGroup
+
+if TYPE_CHECKING:
+    from moeserve.layers.kernel_plan import KernelPlan
 
 
 class LlamaAttention(nn.Module):
@@ -54,6 +57,11 @@ class LlamaAttention(nn.Module):
         )
         self.rotary = [rotary]  # shared by all layers (a list: not a submodule of each)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d**-0.5)
+
+    @property
+    def rotary_emb(self) -> RotaryEmbedding:
+        """The model's RoPE tables (shared by its layers)."""
+        return self.rotary[0]
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
@@ -114,35 +122,17 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", quant, tp, dtype)
 
-    def native_layer(self) -> cpu_decoder.DecoderLayer | None:
-        """The whole layer as one native call, where its parts all run on the native CPU
-        kernels (bf16 activations and cache, packed weights, no biases, one rank, RoPE over
-        the whole head); asked once the weights are packed and the cache bound."""
+    def fused_parts(self) -> FusedLayerParts:
         a, mlp = self.self_attn, self.mlp
-        linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        weights = [getattr(lin, "native_weight", None) for lin in linears]
-        rotary = a.rotary[0]
-        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        if (
-            not (mlp.native and a.attn.native)
-            or any(w is None for w in weights)
-            or any(lin.bias is not None or lin.tp.size != 1 for lin in linears)
-            or rotary.interleaved
-            or rotary.rotary_dim != a.head_dim
-            or any(n.dtype != torch.bfloat16 for n in (*norms, a.attn.k_cache))
-        ):
-            return None
-        return cpu_decoder.DecoderLayer(
-            *weights,
-            norms[0].data,
-            norms[1].data,
-            self.input_layernorm.eps,
-            a.num_heads,
-            a.num_kv_heads,
-            a.head_dim,
-            a.attn.scale,
-            rotary.cos,
-            rotary.sin,
+        return FusedLayerParts(
+            a.qkv_proj,
+            a.o_proj,
+            mlp.gate_up_proj,
+            mlp.down_proj,
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            a.attn,
+            a.rotary_emb,
         )
 
 
@@ -160,49 +150,29 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        # the layers as native calls (native_layer), decided at the first forward, once the
-        # weights are packed; False where they do not all qualify
-        self._native: list[cpu_decoder.DecoderLayer] | bool | None = None
+        # the layers as fused calls (`fused_stack`), decided at the first forward, once the
+        # weights are packed and the cache bound; False where they do not all qualify
+        self._fused: list | bool | None = None
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        if self._native is None:
-            layers = [layer.native_layer() for layer in self.layers]
-            ok = all(n is not None for n in layers) and all(
+        if self._fused is None:
+            stack = fused_stack(self.layers)
+            ok = stack is not None and all(
                 w.dtype == torch.bfloat16 for w in (self.norm.weight, self.embed_tokens.weight)
             )
-            self._native = layers if ok and layers else False
-        # a layer that hands its residual stream to a draft head (aux_out) runs in torch
-        if self._native and all(layer.aux_out is None for layer in self.layers):
-            return self._native_forward(self._native, ids, positions, ctx)
+            self._fused = stack if ok else False
+        # a layer that hands its residual stream to a draft head (aux_out) runs layer by layer
+        if self._fused and all(layer.aux_out is None for layer in self.layers):
+            x = self.embed_tokens(ids).contiguous()
+            run = self.layers[0].fused_decode.run
+            return run(self._fused, x, positions, ctx.attn, self.norm)
         x, residual = self.embed_tokens(ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)
         x, _ = self.norm(x, residual)
         return x
-
-    def _native_forward(
-        self,
-        native: list[cpu_decoder.DecoderLayer],
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: ForwardContext,
-    ) -> torch.Tensor:
-        """The same layers, one native call each (x and the residual updated in place)."""
-        md = ctx.attn
-        x = self.embed_tokens(ids).contiguous()
-        residual = torch.empty_like(x)
-        step = cpu_decoder.DecoderStep(
-            native[0], positions, md.slot_mapping, md.block_tables, md.query_lens_host,
-            md.seq_lens_host,
-        )  # fmt: skip
-        for i, (layer, fused) in enumerate(zip(self.layers, native, strict=True)):
-            attn = layer.self_attn.attn
-            if not fused.cache_is(attn.k_cache, attn.v_cache):
-                fused.bind_cache(attn.k_cache, attn.v_cache)
-            fused(step, x, residual, first=i == 0)
-        return cpu_decoder.add_rmsnorm(x, residual, self.norm.weight.data, self.norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -211,8 +181,10 @@ class LlamaForCausalLM(nn.Module):
     - `forward(input_ids [T], positions [T], ctx) -> hidden [T, H]`
     - `compute_logits(hidden [N, H], out=None) -> [N, vocab] fp32` (into `out` when given)
     - `load_weights(iterable of (HF checkpoint name, tensor)) -> set of loaded param names`
-    - `attention_layers() -> list` of modules with `kv_cache_bytes_per_token(dtype)` and
-      `bind_kv_cache(num_pages, page_size, dtype, device)`.
+    - `attention_layers() -> list` of modules with `kv_cache_bytes_per_token(dtype)`,
+      `bind_kv_cache(num_pages, page_size, dtype, device)` and `cache_tensors()`.
+
+    (`moeserve.layers.contract.CausalLM` and `KVCacheLayer` state it as protocols.)
     """
 
     STACKED = [

@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from moeserve.layers.contract import ProcessesWeights
+
 log = logging.getLogger(__name__)
 
 # (fused parameter name part, checkpoint name part, shard id)
@@ -49,6 +51,5 @@ def load_weights_by_rules(
 def finish_loading(model: nn.Module) -> None:
     """Let every layer repack its weights for its kernels once all tensors are in."""
     for m in model.modules():
-        hook = getattr(m, "process_weights_after_loading", None)
-        if hook is not None and m is not model:
-            hook()
+        if isinstance(m, ProcessesWeights) and m is not model:
+            m.process_weights_after_loading()

@@ -49,7 +49,7 @@ Kimi-K2.5 (E = 384, k = 8, N = 8: 48 experts per rank; a rank's mean load is T s
 of every expert and its load is the whole batch's: the router's own ids are kept.
 
 Nothing here runs unless `--simulate-rank` is given: the MoE layer holds no routing override
-otherwise.
+otherwise (the simulated group installs it on each MoE layer built with it).
 """
 
 from __future__ import annotations
@@ -120,6 +120,22 @@ class SimulatedGroup(TPGroup):
 
     def min_int(self, value: int) -> int:
         return value
+
+    def install_on_moe_layer(self, moe: object) -> None:
+        """Under EP, give the MoE layer built next its routing override (`SimulatedRouting`,
+        its place in the dithering sequence the build order); without EP the router's own
+        ids stand. (`moeserve.layers.contract.MoELayerHook`: the layer calls this.)"""
+        if not self.expert_parallel:
+            return
+        c = moe.cfg
+        moe.simulated_routing = SimulatedRouting(
+            c.n_routed_experts,
+            c.num_experts_per_tok,
+            self.size,
+            next(self.moe_layers),
+            c.n_group if c.grouped else 1,
+            c.topk_group,
+        )
 
     def describe(self) -> str:
         ep = " + EP" if self.expert_parallel else ""
@@ -280,13 +296,3 @@ class SimulatedRouting:
             table = self.table(tokens).to(router_ids.device, router_ids.dtype)
             self._tables[key] = table
         return table
-
-
-def simulated_routing(
-    tp: TPGroup, num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1
-) -> SimulatedRouting | None:
-    """The next MoE layer's routing override on a simulated expert-parallel rank; None for
-    any other group (serving: the router's ids stand)."""
-    if not (isinstance(tp, SimulatedGroup) and tp.expert_parallel):
-        return None
-    return SimulatedRouting(num_experts, top_k, tp.size, next(tp.moe_layers), n_group, topk_group)

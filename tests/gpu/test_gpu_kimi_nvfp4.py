@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from moeserve.engine.offline import LLM
+from moeserve.layers.attention.mla import MLAAttention
+from moeserve.layers.attention.mla_backends import GluonPreferMLA
 from moeserve.sampling import SamplingParams
 from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
 
@@ -210,14 +212,14 @@ def test_gpu_gluon_mla_decode_serves_in_graphs(tmp_path, monkeypatch):
     )
     gpu_llm = _graphs_follow_cpu_reference(path, max_model_len=4096, page_size=64)
     scratch = next(
-        m._decode_scratch
+        m.backend.scratch
         for m in gpu_llm.engine.runner.model.modules()
-        if getattr(m, "_decode_scratch", None) is not None
+        if isinstance(m, MLAAttention) and getattr(m.backend, "scratch", None) is not None
     )
     assert scratch.gluon == "prefer"  # the start-up probe passed
     # what the banner and `moeserve plan` print is what serves
     plan = gpu_llm.engine.loaded.kernel_plan
-    assert plan.mla_decode == "gluon-prefer"
+    assert plan.mla is GluonPreferMLA
     assert any(ln.strip().startswith("MLA decode") and "Gluon" in ln for ln in plan.lines())
     assert all(scratch.workspace(b, 4096)[0] is mg.mla_decode_gluon for b in (1, 2))
     assert gluon[0] > 0  # the probe's and the captures' calls

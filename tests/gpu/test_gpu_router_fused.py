@@ -14,7 +14,8 @@ import torch
 
 from moeserve.kernels.routing import router as rk
 from moeserve.kernels.routing import router_fused as rf
-from moeserve.layers.moe import Router, select_experts
+from moeserve.layers.moe import Router
+from moeserve.layers.routing import select_experts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

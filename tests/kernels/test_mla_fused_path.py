@@ -25,6 +25,7 @@ import moeserve.kernels.attention.mla_prefill as pre_mod  # noqa: E402
 import moeserve.kernels.elementwise.norm as norm_mod  # noqa: E402
 from moeserve.config import ModelConfig  # noqa: E402
 from moeserve.layers.attention.metadata import AttentionMetadata  # noqa: E402
+from moeserve.layers.attention.mla_backends import TorchMLA, TritonMLA  # noqa: E402
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
 from tests.kernels.rounding_shim import install_bf16_rounding_shim  # noqa: E402
@@ -75,8 +76,9 @@ def model():
 
 
 def _set_kernels(model, on: bool) -> None:
+    """The Triton MLA backend (under the interpreter here) or the torch one."""
     for layer in model.attention_layers():
-        layer.use_kernels = on
+        layer.use_backend(TritonMLA if on else TorchMLA)
 
 
 def _script(runner: PagedRunner, kernels: bool, calls: dict) -> list[torch.Tensor]:
@@ -126,7 +128,7 @@ def test_kernel_path_matches_torch_path(model, monkeypatch):
     try:
         got = _script(PagedRunner(model, page_size=4, seed=2), True, calls)
     finally:
-        _set_kernels(model, None)
+        _set_kernels(model, False)
     # per layer: step 1 prefill; step 2 decode 1 + prefill 1; step 3 prefill; step 4 decode 2;
     # step 5 the leading run is empty (prefill first): all through the prefill kernel
     assert calls["decode"] == [1, 1, 2, 2]

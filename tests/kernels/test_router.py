@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import moeserve.kernels.routing.router as router_mod  # noqa: E402
-from moeserve.layers.moe import select_experts  # noqa: E402
+from moeserve.layers.routing import select_experts  # noqa: E402
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
 
 install_interpreter_shims()

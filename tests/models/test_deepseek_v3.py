@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moeserve.config import ModelConfig
-from moeserve.layers.moe import select_experts
+from moeserve.layers.routing import select_experts
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from tests.models.helpers import YARN, PagedRunner, build_hf_model, hf_greedy, tiny_hf_config
 

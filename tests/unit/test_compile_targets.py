@@ -152,14 +152,14 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
             router.route(t(SMALL_BATCH, experts, dtype=f32), t(experts, dtype=f32),
                          moe.num_experts_per_tok, **routing)  # fmt: skip
 
-        if kp.router_fused:
+        if kp.router.name == "fused":
 
             @add("router (one launch)", ("router_fused._router_fused_kernel",))
             def _() -> None:
                 router_fused.route_fused(t(DECODE, h), t(experts, h), t(experts, dtype=f32),
                                          moe.num_experts_per_tok, **routing)  # fmt: skip
 
-    if kp.quantized_linears == "triton" and fmt == "nvfp4":
+    if kp.linears.stored_format and fmt == "nvfp4":
 
         @add("NVFP4 linears", ("nvfp4_gemv._nvfp4_gemv_kernel",
                                "nvfp4_gemv_mma._nvfp4_gemv_mma_kernel",
@@ -177,7 +177,7 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
             gate = (t(dense, k // 2, dtype=u8), t(dense, k // 16, dtype=e4m3), t(1, dtype=f32))
             gu.nvfp4_gate_up_silu(t(DECODE, k), gate, gate, decode=ng.DECODE_ASM)
 
-    if kp.quantized_linears == "triton" and fmt == "fp8-block":
+    if kp.linears.stored_format and fmt == "fp8-block":
 
         @add(
             "block-FP8 linears",
@@ -191,7 +191,7 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
                     t(m, k), w, t(-(-n // 128), -(-k // 128), dtype=f32), kernel=kernel
                 )
 
-    if kp.moe == "fused" and fmt == "nvfp4":
+    if kp.experts.name == "fused-nvfp4" and fmt == "nvfp4":
 
         @add("routed experts", ("nvfp4._moe_gate_up_gemv_kernel", "nvfp4._moe_down_gemv_kernel",
                                 "nvfp4._moe_align_kernel", "nvfp4.moe_combine_kernel",
@@ -218,7 +218,7 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
                 kernel="gemv", decode=ng.DECODE_ASM, gate_up_config=split,
             )  # fmt: skip
 
-    if kp.moe == "fused" and fmt == "fp8-block":
+    if kp.experts.name == "fused-fp8" and fmt == "fp8-block":
 
         @add("routed experts", ("fp8._moe_gate_up_gemv_kernel", "fp8._moe_down_gemv_kernel",
                                 "fp8._moe_gate_up_mma_kernel", "fp8._moe_down_mma_kernel",
@@ -233,7 +233,7 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
                     kernel=kernel,
                 )  # fmt: skip
 
-    if kp.mla == "triton":
+    if kp.mla.capturable:  # the GPU MLA kernels (decode by Triton, Gluon or the prefill one)
         kv = kp.kv_cache_dtype
         scale = t(1, dtype=f32) if kv == e4m3 else None
         pages = CONTEXT // PAGE
@@ -280,7 +280,7 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
                     t(DECODE, heads, lat), *kv_b, t(DECODE, heads, v), "uv", nope
                 )
 
-    if kp.mla_decode == "triton":
+    if kp.mla.name == "triton":
 
         @add(f"MLA decode ({kp.kv_cache_dtype} cache)",
              ("mla_decode._mla_decode_split_kernel",
@@ -301,9 +301,9 @@ def _recipes(plan: Any, fmt: str) -> list[Recipe]:
                     config=replace(config, fused_merge=fused),
                 )  # fmt: skip
 
-    if kp.mla_decode == "prefill":
+    if kp.mla.name == "triton-prefill":
         pass  # the prefill kernel above serves every row (--deterministic)
-    if kp.mla_decode.startswith("gluon"):  # Hopper only: must fail to compile elsewhere
+    if kp.mla.name.startswith("gluon"):  # Hopper only: must fail to compile elsewhere
 
         @add("MLA decode (Gluon)", ("mla_decode_gluon._mla_decode_gluon_kernel",))
         def _() -> None:
@@ -345,11 +345,15 @@ def _stored_kv_b(plan: Any, heads: int, nope: int, v: int, lat: int, t: Callable
     """kv_b_proj of one rank as stored (what the absorbed-product kernels read), or None
     where they cannot read its format (then bmm on a dense copy serves)."""
 
+    from moeserve.layers.attention.mla import MLAAttention
+    from moeserve.layers.attention.mla_backends import TritonMLA
     from moeserve.plan import meta_model
 
     layer = meta_model(plan.model_cfg.with_layers(1), plan.quant, plan.act_dtype, 0, plan.tp)
-    attn = next(m for m in layer.modules() if hasattr(m, "_stored_absorb_weight"))
-    stored = attn._stored_absorb_weight()
+    attn = next(m for m in layer.modules() if isinstance(m, MLAAttention))
+    backend = TritonMLA(attn)
+    backend.process_weights()  # what the GPU backend reads of kv_b_proj
+    stored = backend.stored
     if stored is None:
         return None
     w, s = stored
@@ -534,7 +538,7 @@ def test_plan_excludes_hopper_kernels_and_states_the_fp4_fallback(gpu):
         plan = _plan(folder, gpu, {**settings, "page_size": 64})  # Gluon's page multiple
         choices = {c.what: c for c in plan.kernel_plan.choices}
         decode = choices["MLA decode"]
-        assert plan.kernel_plan.mla_decode == "triton", decode
+        assert plan.kernel_plan.mla.name == "triton", decode
         assert decode.choice.startswith("Triton") and decode.fallback, decode
         assert "sm_90" in decode.reason and sm in decode.reason, decode
     kimi = {c.what: c for c in _plan("kimi-k2.5-nvfp4", gpu, {}).kernel_plan.choices}

@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.attention.mla_decode import FP8_E4M3_MAX, KV_LORA_RANK, LATENT_DIM, ROPE_DIM
+from moeserve.kernels.attention.mla_decode import KV_LORA_RANK, LATENT_DIM, ROPE_DIM
+from moeserve.kernels.formats import E4M3_MAX
 
 # Query heads each program rotates. One program per token rotating all 128 heads took
 # 18 us on an H200 (64 heads: 11 us), a third of an attention block at batch 1; programs
@@ -288,7 +289,7 @@ class CacheWrite:
             D_LAT=KV_LORA_RANK,
             D_ROPE=ROPE_DIM,
             QUANT=quant,
-            FP8_MAX=FP8_E4M3_MAX,
+            FP8_MAX=E4M3_MAX,
             ROPE=rope is not None,
             HAS_Q=q is not None,
         )
@@ -346,6 +347,6 @@ def write_mla_cache_ref(
     slots = slot_mapping[keep]
     rows = torch.cat([c[keep], k_pe[keep]], dim=-1).float()
     if kv_cache.dtype == torch.float8_e4m3fn:
-        rows = (rows / kv_scale.float().reshape(())).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        rows = (rows / kv_scale.float().reshape(())).clamp(-E4M3_MAX, E4M3_MAX)
     page_size = kv_cache.shape[1]
     kv_cache[slots // page_size, slots % page_size] = rows.to(kv_cache.dtype)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from moeserve.kernels.attention.kv_cache import CacheWrite, rope_write_program
 from moeserve.kernels.configs import max_rows, tile_config
-from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK, fp8_gemv_rows
+from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block, fp8_gemv_rows
 from moeserve.kernels.gemm.splitk import dense_x_rows
 
 MAX_MP = 4  # x rows per program (one weight pass serves them all)
@@ -40,8 +40,6 @@ def absorb_ref(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, mode: str, nope: int
 ) -> torch.Tensor:
     """fp32 torch reference: x [T, H, nope] (uk) or [T, H, L] (uv) -> [T, H, L] / [T, H, v]."""
-    from moeserve.kernels.gemm.fp8_block_gemm import dequantize_fp8_block
-
     wd = w.float() if scale is None else dequantize_fp8_block(w, scale, torch.float32)
     heads = x.shape[1]
     wd = wd.view(heads, -1, wd.shape[-1])

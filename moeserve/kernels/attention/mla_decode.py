@@ -98,11 +98,12 @@ import torch
 import triton
 import triton.language as tl
 
-KV_LORA_RANK = 512
-ROPE_DIM = 64
+from moeserve.kernels.formats import E4M3_MAX
+from moeserve.kernels.formats import MLA_KV_LORA_RANK as KV_LORA_RANK
+from moeserve.kernels.formats import MLA_ROPE_DIM as ROPE_DIM
+
 LATENT_DIM = KV_LORA_RANK + ROPE_DIM  # one cached row per token and layer
 LOG2E = 1.4426950408889634
-FP8_E4M3_MAX = 448.0
 
 # SMs of an H100/H200, used when the tensors are not on a GPU (interpreter tests).
 _DEFAULT_SM_COUNT = 132
@@ -912,7 +913,7 @@ def mla_decode(
         HAS_SCALE=has_scale,
         DIRECT_OUT=direct,
         FP8_QK=bool(config.fp8_qk and has_scale),
-        FP8_MAX=FP8_E4M3_MAX,
+        FP8_MAX=E4M3_MAX,
         MIN_SPLIT_TILES=min_tiles,
         FUSED_MERGE=fused,
         TAIL_D_BLOCK=tail_d_block,

@@ -54,7 +54,6 @@ In the CPU tests the "peers" are plain local tensors (the interpreter reads any 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +61,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from moeserve.kernels.runtime import interpreting
 
 PROTOCOLS = ("lamport", "flag")
 # Upper bound on the grid. Waiting programs need their partner program resident on every
@@ -79,11 +80,6 @@ INTERPRETER_MAX_SPINS = 1000
 MAX_HIDDEN = 16384
 LAMPORT_GENERATIONS = 3
 FLAG_SLOTS = 2
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (CPU interpreter: no inline PTX, no global timer)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def buffer_elements(protocol: str, capacity_rows: int, hidden: int, world: int) -> int:

@@ -17,7 +17,6 @@ form), or int8 with per-column fp32 scales. Each packer has a torch reference
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -58,17 +57,6 @@ def set_threads(n: int) -> None:
     lib = native()
     if lib is not None:
         lib.lib.ms_set_threads(n)
-
-
-def pool_stats() -> dict[str, int]:
-    """The native kernels' thread pool since start-up: calls shared with its workers, stalls
-    (a worker put aside by the OS while it held work), calls computed alone after a stall."""
-    lib = native()
-    if lib is None:
-        return {}
-    out = (ctypes.c_int64 * 3)()
-    lib.lib.ms_pool_stats(out)
-    return dict(zip(("shared", "stalls", "alone"), out, strict=True))
 
 
 def native_status() -> str:

@@ -42,7 +42,6 @@ P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "ms_simd": ([], I32),
     "ms_set_threads": ([I32], None),
-    "ms_pool_stats": ([P], None),
     "ms_gemm_bf16": ([P, I64, I64, P, I64, I64, P, I64, I32], None),
     "ms_gemm_q4": ([P, I64, I64, P, I32, I64, I64, P, I64, I32], None),
     "ms_gemm_i8": ([P, I64, I64, P, P, I64, I64, P, I64, I32], None),

@@ -2,24 +2,17 @@
 
 Layout: ``gu`` is ``[T, 2I]`` (gate columns, then up columns; last dim contiguous, any row
 stride); the result is ``[T, I]``. Numerics: fp32 from the loaded values, rounded once to the
-output dtype (the torch reference below; torch's own ``F.silu(g) * u`` in bf16 rounds twice).
+output dtype (torch's own ``F.silu(g) * u`` in bf16 rounds twice).
 Launch shape depends only on tensor shapes: CUDA-graph capturable.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 BLOCK = 1024  # columns per program: a decode row of a 2048-wide expert is two programs
-
-
-def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
-    """Torch reference: silu(g) * u in fp32, rounded once to gu.dtype."""
-    g, u = gu.float().chunk(2, dim=-1)
-    return (F.silu(g) * u).to(gu.dtype)
 
 
 @triton.jit

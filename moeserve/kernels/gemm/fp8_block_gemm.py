@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.kernels.formats import E4M3_MAX
+
 FP8_BLOCK = 128
 
 
@@ -31,7 +33,8 @@ def dequantize_fp8_block(
 def quantize_fp8_block(
     w: torch.Tensor, block: int = FP8_BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (e4m3 [N, K], scale_inv fp32 [ceil(N/128), ceil(K/128)]); per-block amax/448.
+    """w [N, K] -> (e4m3 [N, K], scale_inv fp32 [ceil(N/128), ceil(K/128)]); per-block amax/448
+    (E4M3_MAX).
 
     Used to make test weights in DeepSeek's published layout.
     """
@@ -41,8 +44,8 @@ def quantize_fp8_block(
     wp[:n, :k] = w.float()
     blocks = wp.view(nb, block, kb, block)
     amax = blocks.abs().amax(dim=(1, 3))
-    s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    q = (blocks / s[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (blocks / s[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(nb * block, kb * block)[:n, :k].contiguous(), s
 
 
@@ -78,11 +81,11 @@ from moeserve.kernels.configs import max_rows, tile_config  # noqa: E402
 from moeserve.kernels.gemm.splitk import (  # noqa: E402
     SplitKWorkspace,
     dense_x_rows,
-    interpreting,
     split_k_plan,
     splitk_buffers,
     splitk_finish,
 )
+from moeserve.kernels.runtime import interpreting  # noqa: E402
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.gemm.splitk import interpreting
+from moeserve.kernels.runtime import interpreting
 
 # tiles.json-style configs used for every row count (the smallest-M entries, split-K off)
 NVFP4_GEMM = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4)

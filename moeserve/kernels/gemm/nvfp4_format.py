@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.kernels.formats import E4M3_MAX
+
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
-E4M3_MAX = 448.0
 NVFP4_BLOCK = 16
 # Decision boundaries between neighbouring E2M1 magnitudes, and whether a tie goes UP
 # (round-half-to-even: a tie goes to the neighbour whose index is even).

@@ -60,11 +60,11 @@ from moeserve.kernels.gemm.splitk import (  # noqa: E402
     ACC_FIX_EXP,
     SCALE_BIAS_EXP,
     SplitKWorkspace,
-    interpreting,
     split_k_plan,
     splitk_buffers,
     splitk_finish,
 )
+from moeserve.kernels.runtime import interpreting  # noqa: E402
 
 # Jitted code may only read constexpr globals.
 FP16_BIAS_EXP = tl.constexpr(14)  # DECODE_BITS: fp16 bits give value * 2^-14

@@ -1,5 +1,5 @@
 """What the weight-only GEMM and GEMV kernels (NVFP4, FP8 block, fused MoE) share that is not
-the NVFP4 format: split-K over a zeroed fp32 workspace, interpreter detection, and the
+the NVFP4 format: split-K over a zeroed fp32 workspace and the
 exponent bias of the bf16 E2M1 decode.
 
 Split-K: with few rows, one program per output tile leaves most SMs idle, so K is split over
@@ -11,7 +11,6 @@ call and CUDA-graph replay.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -26,11 +25,6 @@ SCALE_BIAS_EXP = tl.constexpr(118)
 ACC_FIX_EXP = tl.constexpr(8)  # 126 - SCALE_BIAS_EXP: applied once to the accumulator
 
 CTAS_PER_SM_TARGET = 4  # split-K aims at this many programs per SM so HBM sees enough requests
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (CPU interpreter: no inline PTX)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=8)

@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.configs import max_rows, tile_config
-from moeserve.kernels.gemm.splitk import interpreting, split_k_plan
+from moeserve.kernels.gemm.splitk import split_k_plan
+from moeserve.kernels.runtime import interpreting
 
 TABLE = "w16_gemv"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from moeserve.kernels.configs import max_rows, tile_config
 from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block, fp8_gemv_rows
-from moeserve.kernels.gemm.splitk import interpreting, slot_x_rows
+from moeserve.kernels.gemm.splitk import slot_x_rows
 from moeserve.kernels.moe.nvfp4 import (
     COMBINE_BLOCK_H,
     CombineInto,
@@ -40,6 +40,7 @@ from moeserve.kernels.moe.nvfp4 import (
     moe_align,
     moe_combine_kernel,
 )
+from moeserve.kernels.runtime import interpreting
 
 # ----------------------------------------------------------------------------------------------
 # Torch reference

@@ -46,8 +46,9 @@ from moeserve.kernels.gemm.nvfp4_gemv_mma import (
     mma_rows,
     mma_supported,
 )
-from moeserve.kernels.gemm.splitk import ACC_FIX_EXP, interpreting, slot_x_rows
+from moeserve.kernels.gemm.splitk import ACC_FIX_EXP, slot_x_rows
 from moeserve.kernels.pdl import pdl_launch, pdl_start
+from moeserve.kernels.runtime import interpreting
 
 ALIGN_CHUNK = 1024  # slots handled per vector step inside the single-program align kernel
 ALIGN_BCHUNK = 32  # blocks per step when mapping blocks to experts ([32, E] compare)

@@ -1,6 +1,6 @@
 """MoE routing in one launch: router logits -> (top-k weights, expert ids).
 
-Semantics are those of ``moeserve.layers.moe.select_experts`` (DeepSeek-V2/V3, Kimi):
+Semantics are those of ``moeserve.layers.routing.select_experts`` (DeepSeek-V2/V3, Kimi):
 
 - scores = sigmoid(logits) or softmax(logits) (fp32);
 - choice = scores + e_score_correction_bias (when given);
@@ -30,11 +30,11 @@ capturable.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from moeserve.kernels.runtime import interpreting
 
 MAX_EXPERTS = 1024
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
@@ -256,10 +256,6 @@ def check_route_args(
 def check_out(t: torch.Tensor, name: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
     if tuple(t.shape) != shape or t.dtype != dtype or t.stride(-1) != 1:
         raise ValueError(f"{name} must be {dtype} {list(shape)} with a contiguous last dim")
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def route(

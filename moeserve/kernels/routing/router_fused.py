@@ -44,11 +44,11 @@ from moeserve.kernels.routing.router import (
     RENORM_EPS,
     check_out,
     check_route_args,
-    interpreting,
     route,
     route_rows,
     weight_rule,
 )
+from moeserve.kernels.runtime import interpreting
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,11 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from moeserve.config import ConfigError
+from moeserve.kernels import cpu as cpu_kernels
+from moeserve.kernels.gemm import invariant as invariant_kernels
+from moeserve.kernels.gemm import w16_gemv as w16_kernels
+
 
 def make_param(
     data: torch.Tensor,
@@ -39,8 +44,6 @@ def check_block_split(what: str, local: int, block: int, ranks: int) -> None:
     """A tensor-parallel slice must hold whole quantization blocks (block-FP8: 128), or two
     ranks would share a block's scale; say so in one sentence."""
     if ranks > 1 and block > 1 and local % block:
-        from moeserve.config import ConfigError
-
         raise ConfigError(
             f"{what}: {local} features per rank over {ranks} ranks is not a multiple of the "
             f"checkpoint's {block}-wide quantization blocks; use a tensor-parallel size that "
@@ -99,28 +102,23 @@ class UnquantizedLinearMethod(LinearMethod):
             and w.dtype == torch.bfloat16
             and w.shape[1] % 2 == 0
         ):
-            from moeserve.kernels import cpu as cpu_kernels
-
             # the packed copy serves the matmul; `weight` stays for readers of the dense matrix
             layer.native_weight = cpu_kernels.pack_bf16(w.data)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed = getattr(layer, "native_weight", None)
         if packed is not None:
-            from moeserve.kernels import cpu as cpu_kernels
-
             return cpu_kernels.linear(x, packed)
         if x.is_cuda and layer.batch_invariant:
-            from moeserve.kernels.gemm.invariant import gemm16
-
-            return gemm16(x.reshape(-1, x.shape[-1]), layer.weight).view(*x.shape[:-1], -1)
+            return invariant_kernels.gemm16(x.reshape(-1, x.shape[-1]), layer.weight).view(
+                *x.shape[:-1], -1
+            )
         if x.is_cuda and getattr(layer, "dense_gemv", False):
-            from moeserve.kernels.gemm.w16_gemv import w16_gemv, w16_gemv_supported
-
             rows = x.reshape(-1, x.shape[-1])
-            if w16_gemv_supported(rows, layer.weight):  # decode rows: the split-K GEMV
+            if w16_kernels.w16_gemv_supported(rows, layer.weight):  # decode rows: split-K GEMV
                 ws = getattr(layer, "w16_workspace", None)
-                return w16_gemv(rows, layer.weight, workspace=ws).view(*x.shape[:-1], -1)
+                y = w16_kernels.w16_gemv(rows, layer.weight, workspace=ws)
+                return y.view(*x.shape[:-1], -1)
         return torch.nn.functional.linear(x, layer.weight)
 
     def prepare_cuda_graph(self, layer: nn.Module, max_tokens: int, shared: dict) -> None:
@@ -128,13 +126,11 @@ class UnquantizedLinearMethod(LinearMethod):
         one after another on one stream, so they share it)."""
         w = layer.weight
         if getattr(layer, "dense_gemv", False) and w.is_cuda:
-            from moeserve.kernels.gemm.w16_gemv import W16Workspace, w16_gemv_rows
-
-            if not w16_gemv_rows(*w.shape):
+            if not w16_kernels.w16_gemv_rows(*w.shape):
                 return  # cuBLAS serves this shape
             key = ("w16_gemv", *w.shape)
             if key not in shared:
-                shared[key] = W16Workspace.for_shape(w.shape[0], w.shape[1], w.device)
+                shared[key] = w16_kernels.W16Workspace.for_shape(w.shape[0], w.shape[1], w.device)
             layer.w16_workspace = shared[key]
 
 

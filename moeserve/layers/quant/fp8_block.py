@@ -7,6 +7,8 @@ import logging
 
 import torch
 
+from moeserve.kernels.gemm import fp8_block_gemm as fp8_gemm_kernels
+from moeserve.kernels.gemm import invariant as invariant_kernels
 from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block
 from moeserve.kernels.gemm.splitk import SplitKWorkspace
 from moeserve.layers.quant.base import LinearMethod, QuantConfig, UnquantizedLinearMethod
@@ -61,15 +63,16 @@ class Fp8BlockScheme(WeightScheme):
     ) -> torch.Tensor | None:
         if not self.has_gpu_matmul(t):
             return None
-        from moeserve.kernels.gemm.fp8_block_gemm import fp8_block_gemm
-
+        gemm = fp8_gemm_kernels.fp8_block_gemm
         if invariant:
-            from moeserve.kernels.gemm.invariant import FP8_GEMM
-
-            return fp8_block_gemm(
-                x, t["weight"], t["weight_scale_inv"], config=FP8_GEMM, kernel="mma"
+            return gemm(
+                x,
+                t["weight"],
+                t["weight_scale_inv"],
+                config=invariant_kernels.FP8_GEMM,
+                kernel="mma",
             )
-        return fp8_block_gemm(x, t["weight"], t["weight_scale_inv"], workspace=workspace)
+        return gemm(x, t["weight"], t["weight_scale_inv"], workspace=workspace)
 
 
 class Fp8BlockConfig(QuantConfig):

@@ -19,6 +19,7 @@ import re
 import torch
 from torch import nn
 
+from moeserve.kernels.gemm import nvfp4_gemm as nvfp4_gemm_kernels
 from moeserve.kernels.gemm.nvfp4_format import NVFP4_BLOCK, dequantize_nvfp4
 from moeserve.layers.quant.base import LinearMethod, QuantConfig, UnquantizedLinearMethod
 from moeserve.layers.quant.scheme import (
@@ -127,10 +128,8 @@ class Nvfp4LinearMethod(SchemeLinearMethod):
         dev = packed.device
         if dev.type != "cuda" or not layer.gpu_kernels:
             return
-        from moeserve.kernels.gemm.nvfp4_gemm import plan_nvfp4_gemm
-
         with torch.cuda.device(dev):  # the probes launch on the current device
-            plan = plan_nvfp4_gemm(packed)
+            plan = nvfp4_gemm_kernels.plan_nvfp4_gemm(packed)
         gs = torch.as_tensor(gs, dtype=torch.float32, device=dev).reshape(1)
         layer.nvfp4_kernel_args = (packed, scale, gs, plan)
 
@@ -138,8 +137,7 @@ class Nvfp4LinearMethod(SchemeLinearMethod):
         args = getattr(layer, "nvfp4_kernel_args", None)
         if args is None or not x.is_cuda:
             return super().apply(layer, x)
-        from moeserve.kernels.gemm import nvfp4_gemm as nv  # looked up per call: tests count calls
-
+        nv = nvfp4_gemm_kernels  # looked up per call: tests count calls
         packed, scale, gs, plan = args
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
         ws = getattr(layer, "splitk_workspace", None)

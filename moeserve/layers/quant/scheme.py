@@ -11,16 +11,16 @@ an NVFP4 scheme's tensors go to the Triton kernels as they are stored.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels import cpu as cpu_kernels
+from moeserve.kernels.gemm import invariant as invariant_kernels
+from moeserve.kernels.gemm import nvfp4_gemm as nvfp4_gemm_kernels
+from moeserve.kernels.gemm.splitk import SplitKWorkspace
 from moeserve.layers.quant.base import LinearMethod, UnquantizedLinearMethod, make_param
-
-if TYPE_CHECKING:
-    from moeserve.kernels.gemm.splitk import SplitKWorkspace
 
 
 @dataclass(frozen=True)
@@ -85,13 +85,10 @@ class WeightScheme:
         view = self.nvfp4_view(t)
         if view is None:
             return None
-        from moeserve.kernels.gemm.nvfp4_gemm import nvfp4_gemm  # W4A16, dequantized in registers
-
+        nv = nvfp4_gemm_kernels  # W4A16, dequantized in registers
         if invariant:
-            from moeserve.kernels.gemm.invariant import NVFP4_GEMM
-
-            return nvfp4_gemm(x, *view, config=NVFP4_GEMM, kernel="mma")
-        return nvfp4_gemm(x, *view, workspace=workspace)
+            return nv.nvfp4_gemm(x, *view, config=invariant_kernels.NVFP4_GEMM, kernel="mma")
+        return nv.nvfp4_gemm(x, *view, workspace=workspace)
 
 
 class SchemeLinearMethod(LinearMethod):
@@ -136,8 +133,6 @@ class SchemeLinearMethod(LinearMethod):
         # native CPU kernels: each call dequantizes (the model holds no dense copy of itself)
         # and packs for them
         if layer.native_cpu and x.dtype == torch.bfloat16 and layer.local_input % 2 == 0:
-            from moeserve.kernels import cpu as cpu_kernels
-
             packed = cpu_kernels.pack_bf16(self.dense_weight(layer, torch.bfloat16))
             return cpu_kernels.linear(x, packed)
         invariant = layer.batch_invariant
@@ -151,9 +146,7 @@ class SchemeLinearMethod(LinearMethod):
             if y is not None:  # the stored format straight into a Triton kernel
                 return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
             if invariant:
-                from moeserve.kernels.gemm.invariant import gemm16
-
-                y = gemm16(x2, self.dense_weight(layer, torch.bfloat16))
+                y = invariant_kernels.gemm16(x2, self.dense_weight(layer, torch.bfloat16))
                 return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.dense_weight(layer, x.dtype))
 
@@ -174,8 +167,6 @@ def splitk_fits(ws: SplitKWorkspace, m: int, n: int) -> bool:
 def shared_splitk_workspace(shared: dict, m: int, n: int, device: torch.device) -> SplitKWorkspace:
     """The split-K workspace in `shared`, replaced by a larger one when [m, n] does not fit
     (layers bound earlier keep the smaller one, which fits them)."""
-    from moeserve.kernels.gemm.splitk import SplitKWorkspace
-
     ws = shared.get("splitk_workspace")
     if ws is None or not splitk_fits(ws, m, n):
         elems, tiles = _splitk_need(m, n)
