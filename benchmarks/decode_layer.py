@@ -193,23 +193,23 @@ def _moe_layer_bytes(engine, batch: int) -> tuple[int, float]:
     rest, expert_bytes, e = _layer_byte_parts(engine)
     cfg = engine.loaded.config
     touched = e * (1 - (1 - cfg.moe.num_experts_per_tok / cfg.moe.n_routed_experts) ** batch)
-    sim = _simulated_routings(engine)
+    sim = _routing_overrides(engine)
     if sim:  # a simulated EP rank: the busiest rank's expected distinct experts
         touched = sim[0].expected(batch).distinct
     return int(rest + touched * expert_bytes), touched
 
 
-def _simulated_routings(engine) -> list:
+def _routing_overrides(engine) -> list:
     """The routing overrides of a simulated expert-parallel rank's MoE layers, in order
     (empty otherwise)."""
     layers = engine.runner.model.model.layers
-    return [r for lay in layers if (r := getattr(lay.mlp, "simulated_routing", None))]
+    return [r for lay in layers if (r := getattr(lay.mlp, "routing_override", None))]
 
 
 def _routing_rows(engine) -> dict:
     """Per batch: the busiest rank's expected slots and distinct experts, a rank's mean
     slots, and each MoE layer's (slots, distinct) as the simulation routes them."""
-    sims = _simulated_routings(engine)
+    sims = _routing_overrides(engine)
     out = {}
     for b in BATCHES:
         e = sims[0].expected(b)
@@ -262,7 +262,7 @@ def bench_engine(
         print(prof["table"], flush=True)
     row["moe_layer_bytes"] = {str(b): _moe_layer_bytes(engine, b) for b in BATCHES}
     row["bytes_parts"] = _layer_byte_parts(engine)[:2]  # (rest, one expert)
-    if _simulated_routings(engine):
+    if _routing_overrides(engine):
         row["routing"] = _routing_rows(engine)
     engine.shutdown()
     del engine

@@ -55,6 +55,7 @@ from common import git_commit
 from moeserve.kernels.attention import kv_cache as kvc  # noqa: E402
 from moeserve.kernels.elementwise import norm as nk  # noqa: E402
 from moeserve.kernels.routing import router as rk  # noqa: E402
+from moeserve.layers.attention.mla_backends import TritonMLA  # noqa: E402
 from moeserve.layers.routing import select_experts  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
@@ -332,7 +333,7 @@ def _bench_attention_layer(dev: str, dims: dict, records: list, context: int) ->
                 p.fill_(1.0)
             else:
                 p.normal_(0, 0.02)
-    layer.use_kernels = True  # also under --smoke (interpreter)
+    layer.use_backend(TritonMLA)  # also under --smoke (interpreter)
     weight_bytes = sum(
         p.numel() * p.element_size() for n, p in layer.named_parameters() if "norm" not in n
     )

@@ -339,9 +339,9 @@ class DeepseekMoE(nn.Module):
     slots of the routed banks where `shared_expert_slots` allows (`shared_slots` > 0,
     `shared_experts` None), else a separate MLP."""
 
-    # benchmarks' rank simulation only (installed by moeserve.parallel.simulated through the
-    # group the layer is built with): the router's ids replaced; None when serving
-    simulated_routing: RoutingOverride | None = None
+    # the router's ids replaced, by whatever the layer's tensor-parallel group installs on it
+    # (`MoELayerHook`: the benchmarks' rank simulation); None when serving
+    routing_override: RoutingOverride | None = None
 
     def __init__(
         self,
@@ -405,7 +405,7 @@ class DeepseekMoE(nn.Module):
         elif self.shared_experts is not None:
             shared = self.shared_experts(x)
         weights, ids = self.route(x, slots)
-        if self.simulated_routing is not None:
-            ids = self.simulated_routing.ids(ids)
+        if self.routing_override is not None:
+            ids = self.routing_override.ids(ids)
         # this rank's partial sum: the decoder all-reduces it with the residual
         return self.experts(x, weights, ids, add_to=shared)

@@ -128,7 +128,7 @@ class SimulatedGroup(TPGroup):
         if not self.expert_parallel:
             return
         c = moe.cfg
-        moe.simulated_routing = SimulatedRouting(
+        moe.routing_override = SimulatedRouting(
             c.n_routed_experts,
             c.num_experts_per_tok,
             self.size,

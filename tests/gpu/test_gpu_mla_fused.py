@@ -23,6 +23,7 @@ from moeserve.kernels.attention import kv_cache as kvc
 from moeserve.kernels.elementwise import norm as nk
 from moeserve.kernels.routing import router as rk
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
+from moeserve.layers.attention.mla_backends import TorchMLA, TritonMLA
 from moeserve.loader import load_model
 from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
 
@@ -184,9 +185,10 @@ class Kimi:
 
 
 def _use_kernels(lm, on: bool) -> None:
-    """The Triton MLA kernels on or off (True: the kernel plan's choice on this GPU)."""
+    """The Triton MLA kernels on or off (True: the kernel plan's backend on this GPU, else
+    the torch one)."""
     for layer in lm.model.attention_layers():
-        layer.use_kernels = on
+        layer.use_backend(lm.kernel_plan.mla if on else TorchMLA)
 
 
 def _prompts() -> list[list[int]]:
@@ -219,7 +221,7 @@ def kimi(request, tmp_path_factory):
     write_checkpoint(path, "kimi-k2.5", "nvfp4-modelopt", shape=SHAPE, seed=1)
     lm = load_model(path, torch.bfloat16, DEV, kv_cache_dtype=request.param)
     attn = lm.model.attention_layers()
-    assert all(a.fused_qkv_a_proj is not None and a._kernels(a.kv_a_layernorm.weight) for a in attn)
+    assert all(a.fused_qkv_a_proj is not None and isinstance(a.backend, TritonMLA) for a in attn)
     lm32 = load_model(path, torch.float32, DEV, kv_cache_dtype=request.param)
     _use_kernels(lm32, False)
     tokens = _greedy(lm32, STEPS)

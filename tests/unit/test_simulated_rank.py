@@ -66,7 +66,7 @@ def test_published_kimi_rank_shapes_on_meta(layout):
     dense = layers[0].mlp
     gate = dense.gate_up_proj if dense.gate_up_proj is not None else dense.gate_proj
     assert gate.local_output in (18432 // size, 2 * 18432 // size)
-    assert (layers[1].mlp.simulated_routing is not None) == ep
+    assert (layers[1].mlp.routing_override is not None) == ep
 
 
 def test_tiny_checkpoint_loads_as_a_real_rank_zero(tiny_kimi):
@@ -79,7 +79,7 @@ def test_tiny_checkpoint_loads_as_a_real_rank_zero(tiny_kimi):
     moes = [m for m in sim.modules() if isinstance(m, DeepseekMoE)]
     assert moes and all(m.experts.layout.num_local == 4 for m in moes)  # 8 experts / 2
     # every MoE layer has its own place in the dithering sequence
-    assert [m.simulated_routing.layer for m in moes] == list(range(len(moes)))
+    assert [m.routing_override.layer for m in moes] == list(range(len(moes)))
 
 
 # ---- (b) a simulated engine decodes --------------------------------------------------------
@@ -101,7 +101,7 @@ def test_simulated_engine_decodes_on_cpu(tiny_kimi, layout):
 def test_serving_builds_hold_no_routing_override(tiny_kimi):
     llm = LLM(tiny_kimi, device="cpu", dtype="float32", max_model_len=128)
     moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, DeepseekMoE)]
-    assert moes and all(m.simulated_routing is None for m in moes)
+    assert moes and all(m.routing_override is None for m in moes)
 
 
 def test_settings_are_checked():
@@ -213,7 +213,7 @@ def test_the_engine_routes_by_the_table(tiny_kimi, monkeypatch):
 
     monkeypatch.setattr(moe.experts, "forward", experts)
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    assert seen and all(torch.equal(ids, moe.simulated_routing.table(ids.shape[0])) for ids in seen)
+    assert seen and all(torch.equal(ids, moe.routing_override.table(ids.shape[0])) for ids in seen)
 
 
 def test_start_up_line():

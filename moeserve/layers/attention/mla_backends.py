@@ -463,12 +463,24 @@ class TritonMLA(_Backend):
     ) -> torch.Tensor:
         q_abs, kv_scale = self.write_absorbed(positions, q, c, k_pe, md)
         o_lat = q.new_empty(q.shape[0], self.layer.num_heads, self.layer.kv_lora)
-        n_dec = self.decode(q_abs, o_lat, kv_scale, md)
-        if n_dec < md.num_seqs:  # prefill chunks: causal over their cached context + themselves
-            self.prefill(q_abs, o_lat, kv_scale, md, n_dec, md.max_prefill_query_len)
+        self.attend_latent(q_abs, o_lat, kv_scale, md)
         o = q.new_empty(q.shape[0], self.layer.num_heads, self.layer.v_dim)
         self.absorb(o_lat, o, "uv")
         return o
+
+    def attend_latent(
+        self,
+        q_abs: torch.Tensor,
+        o_lat: torch.Tensor,
+        kv_scale: torch.Tensor | None,
+        md: AttentionMetadata,
+    ) -> None:
+        """o_lat = attention of the absorbed queries over the latent cache: the leading
+        single-token sequences by the decode kernel, the prefill chunks (causal over their
+        cached context and themselves) by the prefill kernel."""
+        n_dec = self.decode(q_abs, o_lat, kv_scale, md)
+        if n_dec < md.num_seqs:
+            self.prefill(q_abs, o_lat, kv_scale, md, n_dec, md.max_prefill_query_len)
 
     def write_absorbed(
         self,
@@ -570,20 +582,14 @@ class TritonPrefillMLA(TritonMLA):
         invariant_kernels.gemm16(x.transpose(0, 1), w, out=out.transpose(0, 1))
         return False
 
-    def attend(
+    def attend_latent(
         self,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        c: torch.Tensor,
-        k_pe: torch.Tensor,
+        q_abs: torch.Tensor,
+        o_lat: torch.Tensor,
+        kv_scale: torch.Tensor | None,
         md: AttentionMetadata,
-    ) -> torch.Tensor:
-        q_abs, kv_scale = self.write_absorbed(positions, q, c, k_pe, md)
-        o_lat = q.new_empty(q.shape[0], self.layer.num_heads, self.layer.kv_lora)
+    ) -> None:
         self.prefill(q_abs, o_lat, kv_scale, md, 0, max(md.query_lens_host))
-        o = q.new_empty(q.shape[0], self.layer.num_heads, self.layer.v_dim)
-        self.absorb(o_lat, o, "uv")
-        return o
 
 
 class GluonMLA(TritonMLA):
