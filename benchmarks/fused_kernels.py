@@ -57,6 +57,7 @@ from moeserve.kernels.elementwise import norm as nk  # noqa: E402
 from moeserve.kernels.routing import router as rk  # noqa: E402
 from moeserve.layers.attention.mla_backends import TritonMLA  # noqa: E402
 from moeserve.layers.routing import select_experts  # noqa: E402
+from moeserve.models.registry import config_from_hf
 
 HBM_BYTES_PER_S = 4.3e12
 L2_FLUSH_BYTES = 256 << 20  # cycle weight copies until one pass exceeds the 50 MB L2
@@ -312,12 +313,11 @@ def bench_attention_layer(
 
 
 def _bench_attention_layer(dev: str, dims: dict, records: list, context: int) -> None:
-    from moeserve.config import ModelConfig
     from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
     from moeserve.layers.attention.mla import MLAAttention
     from moeserve.layers.rotary import RotaryEmbedding
 
-    cfg = ModelConfig.from_hf(_layer_config(dims))
+    cfg = config_from_hf(_layer_config(dims))
     rot = RotaryEmbedding(
         cfg.mla.qk_rope_head_dim,
         cfg.max_position_embeddings,

@@ -19,14 +19,14 @@ sys.path.insert(0, str(Path(__file__).parent))  # the sibling benchmark modules
 from common import gpu_meta  # noqa: E402
 from kernels_gemm_moe import graph_time_us  # noqa: E402
 
-from moeserve.config import ModelConfig
 from moeserve.layers.moe import DeepseekMoE
 from moeserve.layers.quant.fp8_block import Fp8BlockConfig
 from moeserve.loader.safetensors import _dummy_fill
+from moeserve.models.registry import config_from_hf
 
 REPS = 20
 raw = json.load(open("benchmarks/configs/deepseek-v3-fp8/config.json"))
-cfg = ModelConfig.from_hf(raw)
+cfg = config_from_hf(raw)
 quant = Fp8BlockConfig((128, 128))
 
 

@@ -33,6 +33,7 @@ from torch import nn
 from moeserve.config import ConfigError
 from moeserve.errors import LoadError
 from moeserve.layers.quant.base import QuantConfig, UnquantizedLinearMethod
+from moeserve.models.registry import ARCHITECTURES
 
 # safetensors header dtype names -> torch
 _ST_DTYPES: dict[str, torch.dtype] = {
@@ -446,7 +447,7 @@ def check_folder(folder: str) -> CheckReport:
     from moeserve.plan import meta_model
 
     report = CheckReport()
-    src = describe_source(folder)
+    src = describe_source(folder, "hf")
     raw, cfg, quant, kv_algo = src.raw, src.config, src.quant, src.kv_cache_quant_algo
     tensors, files, weight_map = read_headers(folder)
     ckq = read_checkpoint_quant(folder, raw)
@@ -459,7 +460,11 @@ def check_folder(folder: str) -> CheckReport:
     )
     archs = raw.get("architectures") or [raw.get("model_type")]
     kind = "MoE" if cfg.moe is not None else "dense"
-    desc = f"architecture: {archs[0]} -> {cfg.architecture} ({kind}, {cfg.num_hidden_layers} layers"
+    what = ARCHITECTURES.by_name(cfg.architecture).description
+    desc = (
+        f"architecture: {archs[0]} -> {cfg.architecture}, {what} ({kind}, "
+        f"{cfg.num_hidden_layers} layers"
+    )
     if cfg.moe is not None:
         dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
         desc += (
@@ -573,7 +578,7 @@ def check_gguf(path: str) -> CheckReport:
     from moeserve.loader.gguf import SUPPORTED_TYPES
     from moeserve.loader.source import describe_source
 
-    src = describe_source(path)
+    src = describe_source(path, "gguf")
     arch = src.gguf_arch
     report = CheckReport()
     types = Counter(t.type_name for t in src.gguf_tensors)
@@ -581,10 +586,15 @@ def check_gguf(path: str) -> CheckReport:
     report.lines.append(
         f"checkpoint: {path}: GGUF, {len(src.gguf_tensors):,} tensors, {total / (1 << 30):.2f} GiB"
     )
-    report.lines.append(f"architecture: {arch} ({src.raw.get('general.name') or 'unnamed'})")
+    served = ""
+    try:
+        entry = ARCHITECTURES.lookup_gguf(arch)
+        served = f" -> {entry.name}, {entry.description}"
+    except ConfigError as e:
+        report.problems.append(str(e))
+    name = src.raw.get("general.name") or "unnamed"
+    report.lines.append(f"architecture: {arch} ({name}){served}")
     report.lines.append("format: GGUF " + ", ".join(f"{k} x{v}" for k, v in sorted(types.items())))
-    if arch not in ("llama", "deepseek2"):
-        report.problems.append(f"GGUF architecture {arch!r} is not supported (llama, deepseek2)")
     bad = sorted(k for k in types if k not in SUPPORTED_TYPES)
     if bad:
         report.problems.append(f"quant type(s) {', '.join(bad)} are not supported")
@@ -612,20 +622,22 @@ def check_gguf(path: str) -> CheckReport:
 def check_checkpoint(path: str) -> CheckReport:
     """The report for a folder (HF safetensors, or one holding a single .gguf) or a .gguf."""
     from moeserve.loader import resolve_model_path
+    from moeserve.loader.source import source_kind
 
     resolved = resolve_model_path(path)
-    if resolved.endswith(".gguf"):
-        return check_gguf(resolved)
-    if not os.path.isfile(os.path.join(resolved, "config.json")):
-        raise LoadError(f"{path} is neither a .gguf file nor a folder with config.json")
-    from moeserve.models.eagle3 import is_eagle3_config
-
-    if is_eagle3_config(_read_json(os.path.join(resolved, "config.json"))):
-        return check_eagle3_folder(resolved)
     try:
-        return check_folder(resolved)
+        return _CHECKS[source_kind(resolved)](resolved)
     except ConfigError as e:
         raise LoadError(f"{path}: {e}") from None
+
+
+def _check_hf(folder: str) -> CheckReport:
+    """A checkpoint folder: a served model's, or an EAGLE-3 draft head's."""
+    from moeserve.models.eagle3 import is_eagle3_config
+
+    if is_eagle3_config(_read_json(os.path.join(folder, "config.json"))):
+        return check_eagle3_folder(folder)
+    return check_folder(folder)
 
 
 def check_eagle3_folder(folder: str) -> CheckReport:
@@ -705,3 +717,7 @@ def run_check(args: argparse.Namespace) -> int:
         print(f"moeserve: problem: {p}", file=sys.stderr)
     print("loadable: yes" if report.loadable else f"loadable: no ({len(report.problems)} problems)")
     return 0 if report.loadable else 2
+
+
+# the report of each kind of model path (moeserve.loader.source.source_kind)
+_CHECKS = {"gguf": check_gguf, "hf": _check_hf}

@@ -1,7 +1,8 @@
 """Typed, frozen configuration objects.
 
-Model code never reads raw HF dicts: `ModelConfig.from_hf` / `ModelConfig.from_gguf` turn a
-checkpoint's description into one `ModelConfig`, once.
+Model code never reads raw HF dicts: the architecture table (moeserve/models/registry.py) picks
+one of the parsers below (`llama_config`, `deepseek_config`, ...), which turns a checkpoint's
+description into one `ModelConfig`, once.
 """
 
 from __future__ import annotations
@@ -242,129 +243,124 @@ class ModelConfig:
         """The same model cut to `n` layers (benchmarks on real shapes, fewer layers)."""
         return replace(self, num_hidden_layers=n)
 
-    # ---- constructors --------------------------------------------------------------------
-    @staticmethod
-    def from_hf(config: dict[str, Any]) -> ModelConfig:
-        archs = config.get("architectures") or []
-        arch = archs[0] if archs else config.get("model_type", "")
-        if arch == "KimiK25ForConditionalGeneration" or config.get("model_type") == "kimi_k25":
-            text = dict(config["text_config"])
-            cfg = ModelConfig._deepseek_from_hf(text)
-            vision = None
-            if config.get("vision_config"):
-                vision = VisionConfig.from_hf(
-                    config["vision_config"],
-                    cfg.hidden_size,
-                    config.get("media_placeholder_token_id", config.get("image_token_id")),
-                )
-            return replace(cfg, weight_prefix="language_model.", vision=vision)
-        if arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "deepseek_v3", "deepseek_v2"):
-            return ModelConfig._deepseek_from_hf(config)
-        if arch in ("LlamaForCausalLM", "llama", "MistralForCausalLM", "mistral"):
-            return ModelConfig._llama_from_hf(config)
-        raise ConfigError(f"unsupported model architecture {arch!r}")
 
-    @staticmethod
-    def _common(c: dict[str, Any]) -> dict[str, Any]:
-        eos = c.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        rope = c.get("rope_scaling") or c.get("rope_parameters")
-        theta = c.get("rope_theta")
-        if theta is None and isinstance(rope, dict):
-            theta = rope.get("rope_theta")
-        return dict(
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            num_hidden_layers=c["num_hidden_layers"],
-            num_attention_heads=c["num_attention_heads"],
-            num_key_value_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-            intermediate_size=c["intermediate_size"],
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta if theta is not None else 10000.0),
-            rope_scaling=RopeScaling.from_hf(rope),
-            max_position_embeddings=c.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            bos_token_id=c.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            dtype=_parse_dtype(c.get("torch_dtype") or c.get("dtype") or "bfloat16"),
-        )
+# ---- parsers: a checkpoint's description -> ModelConfig (chosen by the architecture table,
+# moeserve/models/registry.py, which passes the table name the config is recorded under) ------
+def _common(c: dict[str, Any]) -> dict[str, Any]:
+    eos = c.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    rope = c.get("rope_scaling") or c.get("rope_parameters")
+    theta = c.get("rope_theta")
+    if theta is None and isinstance(rope, dict):
+        theta = rope.get("rope_theta")
+    return dict(
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        num_hidden_layers=c["num_hidden_layers"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+        intermediate_size=c["intermediate_size"],
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta if theta is not None else 10000.0),
+        rope_scaling=RopeScaling.from_hf(rope),
+        max_position_embeddings=c.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        dtype=_parse_dtype(c.get("torch_dtype") or c.get("dtype") or "bfloat16"),
+    )
 
-    @staticmethod
-    def _llama_from_hf(c: dict[str, Any]) -> ModelConfig:
-        common = ModelConfig._common(c)
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        return ModelConfig(
-            architecture="llama",
-            head_dim=head_dim,
-            attention_bias=bool(c.get("attention_bias", False)),
-            **common,
-        )
 
-    @staticmethod
-    def _deepseek_from_hf(c: dict[str, Any]) -> ModelConfig:
-        # fields a producer omits take that producer's defaults: transformers' DeepseekV3Config
-        # writes no topk_method / scoring_func (noaux_tc + sigmoid are implied) and has its own
-        # group-routing defaults; DeepSeek-V2 keeps V2's greedy softmax routing
-        c = {**_deepseek_defaults(c), **c}
-        common = ModelConfig._common(c)
-        nextn = int(c.get("num_nextn_predict_layers") or 0)
-        if nextn:
-            log.info("MTP: %d next-token-prediction layer(s) skipped on load", nextn)
-        experts = c.get("n_routed_experts") or 0
-        moe = None
-        if experts:
-            moe = MoEConfig(
-                n_routed_experts=experts,
-                num_experts_per_tok=c.get("num_experts_per_tok") or 0,
-                moe_intermediate_size=c.get("moe_intermediate_size") or 0,
-                n_shared_experts=c.get("n_shared_experts") or 0,
-                first_k_dense_replace=c.get("first_k_dense_replace") or 0,
-                moe_layer_freq=c.get("moe_layer_freq") or 1,
-                n_group=c.get("n_group") or 1,
-                topk_group=c.get("topk_group") or 1,
-                topk_method=c["topk_method"],
-                scoring_func=c["scoring_func"],
-                routed_scaling_factor=float(c["routed_scaling_factor"]),
-                norm_topk_prob=bool(c["norm_topk_prob"]),
-            )
-        mla = MLAConfig(
-            kv_lora_rank=c["kv_lora_rank"],
-            qk_nope_head_dim=c["qk_nope_head_dim"],
-            qk_rope_head_dim=c["qk_rope_head_dim"],
-            v_head_dim=c["v_head_dim"],
-            q_lora_rank=c.get("q_lora_rank"),
-        )
-        return ModelConfig(
-            architecture="deepseek_v3",
-            head_dim=mla.qk_head_dim,
-            mla=mla,
-            moe=moe,
-            num_nextn_predict_layers=nextn,
-            attention_bias=bool(c.get("attention_bias", False)),
-            **common,
-        )
+def llama_config(c: dict[str, Any], architecture: str) -> ModelConfig:
+    """A Llama-family config.json (GQA attention, RoPE, SwiGLU)."""
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return ModelConfig(
+        architecture=architecture,
+        head_dim=head_dim,
+        attention_bias=bool(c.get("attention_bias", False)),
+        **_common(c),
+    )
 
-    @staticmethod
-    def from_gguf_llama(meta: dict[str, Any]) -> ModelConfig:
-        """From GGUF key/values of a `llama` architecture file (keys without the prefix)."""
-        heads = int(meta["attention.head_count"])
-        hidden = int(meta["embedding_length"])
-        head_dim = int(meta.get("attention.key_length") or hidden // heads)
-        return ModelConfig(
-            architecture="llama",
-            vocab_size=int(meta["vocab_size"]),
-            hidden_size=hidden,
-            num_hidden_layers=int(meta["block_count"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(meta.get("attention.head_count_kv") or heads),
-            head_dim=head_dim,
-            intermediate_size=int(meta["feed_forward_length"]),
-            rms_norm_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(meta.get("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(meta.get("context_length", DEFAULT_MAX_POSITIONS)),
-            tie_word_embeddings=bool(meta.get("tie_word_embeddings", False)),
-            dtype=torch.float32,
+
+def deepseek_config(c: dict[str, Any], architecture: str) -> ModelConfig:
+    """A DeepSeek-V2/V3-family config.json (MLA attention, routed experts): DeepSeek-V3/R1,
+    Kimi-K2, Moonlight."""
+    # fields a producer omits take that producer's defaults: transformers' DeepseekV3Config
+    # writes no topk_method / scoring_func (noaux_tc + sigmoid are implied) and has its own
+    # group-routing defaults; DeepSeek-V2 keeps V2's greedy softmax routing
+    c = {**_deepseek_defaults(c), **c}
+    nextn = int(c.get("num_nextn_predict_layers") or 0)
+    if nextn:
+        log.info("MTP: %d next-token-prediction layer(s) skipped on load", nextn)
+    experts = c.get("n_routed_experts") or 0
+    moe = None
+    if experts:
+        moe = MoEConfig(
+            n_routed_experts=experts,
+            num_experts_per_tok=c.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=c.get("moe_intermediate_size") or 0,
+            n_shared_experts=c.get("n_shared_experts") or 0,
+            first_k_dense_replace=c.get("first_k_dense_replace") or 0,
+            moe_layer_freq=c.get("moe_layer_freq") or 1,
+            n_group=c.get("n_group") or 1,
+            topk_group=c.get("topk_group") or 1,
+            topk_method=c["topk_method"],
+            scoring_func=c["scoring_func"],
+            routed_scaling_factor=float(c["routed_scaling_factor"]),
+            norm_topk_prob=bool(c["norm_topk_prob"]),
         )
+    mla = MLAConfig(
+        kv_lora_rank=c["kv_lora_rank"],
+        qk_nope_head_dim=c["qk_nope_head_dim"],
+        qk_rope_head_dim=c["qk_rope_head_dim"],
+        v_head_dim=c["v_head_dim"],
+        q_lora_rank=c.get("q_lora_rank"),
+    )
+    return ModelConfig(
+        architecture=architecture,
+        head_dim=mla.qk_head_dim,
+        mla=mla,
+        moe=moe,
+        num_nextn_predict_layers=nextn,
+        attention_bias=bool(c.get("attention_bias", False)),
+        **_common(c),
+    )
+
+
+def kimi_k25_config(c: dict[str, Any], architecture: str) -> ModelConfig:
+    """Kimi-K2.5's config.json: a DeepSeek-V3 text model under `text_config` (its weights under
+    `language_model.`) and the MoonViT vision tower."""
+    cfg = deepseek_config(dict(c["text_config"]), architecture)
+    vision = None
+    if c.get("vision_config"):
+        vision = VisionConfig.from_hf(
+            c["vision_config"],
+            cfg.hidden_size,
+            c.get("media_placeholder_token_id", c.get("image_token_id")),
+        )
+    return replace(cfg, weight_prefix="language_model.", vision=vision)
+
+
+def llama_config_from_gguf(meta: dict[str, Any], architecture: str) -> ModelConfig:
+    """From GGUF key/values of a `llama` architecture file (keys without the prefix)."""
+    heads = int(meta["attention.head_count"])
+    hidden = int(meta["embedding_length"])
+    head_dim = int(meta.get("attention.key_length") or hidden // heads)
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=int(meta["vocab_size"]),
+        hidden_size=hidden,
+        num_hidden_layers=int(meta["block_count"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta.get("attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        intermediate_size=int(meta["feed_forward_length"]),
+        rms_norm_eps=float(meta.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta.get("context_length", DEFAULT_MAX_POSITIONS)),
+        tie_word_embeddings=bool(meta.get("tie_word_embeddings", False)),
+        dtype=torch.float32,
+    )
 
 
 # transformers' DeepseekV3Config defaults (v5 writes neither topk_method nor scoring_func:

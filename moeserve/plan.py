@@ -57,7 +57,8 @@ from moeserve.hardware import (
 )
 from moeserve.layers.kernel_plan import Hardware, KernelPlan, PlanSettings, resolve_kernel_plan
 from moeserve.layers.quant.base import QuantConfig, UnquantizedLinearMethod
-from moeserve.loader.source import ModelSource, describe_source
+from moeserve.loader.source import ModelSource, describe_source, source_kind
+from moeserve.models.registry import ARCHITECTURES
 
 FP32_BYTES = 4
 # estimates of memory outside the model (the engine measures it as "other" at start-up):
@@ -359,9 +360,9 @@ def describe_checkpoint(path: str) -> ModelSource:
     """The checkpoint folder's description (`moeserve plan` plans HF checkpoints)."""
     from moeserve.errors import LoadError
 
-    if path.endswith(".gguf"):
+    if source_kind(path) != "hf":
         raise LoadError("moeserve plan reads an HF checkpoint folder; GGUF is not planned")
-    return describe_source(path)
+    return describe_source(path, "hf")
 
 
 def planned_interconnect(gpu: GpuSpec, p2p: bool | None) -> Interconnect:
@@ -614,7 +615,8 @@ def format_plan(plan: Plan, suggestion: int | None = None) -> str:
     kind = "MoE" if cfg.moe is not None else "dense"
     lines = [
         f"moeserve plan: {plan.path} on {plan.num_gpus} x {plan.gpu.key} ({plan.gpu.describe()})",
-        f"model: {cfg.architecture} ({kind}, {cfg.num_hidden_layers} layers, vocab "
+        f"model: {cfg.architecture}, {ARCHITECTURES.by_name(cfg.architecture).description} "
+        f"({kind}, {cfg.num_hidden_layers} layers, vocab "
         f"{cfg.vocab_size:,}), weights {plan.quant_name} (quant config: {plan.quant_source}), "
         f"compute {_dtype(plan.act_dtype)}",
         f"parallel: -tp {plan.tp}"

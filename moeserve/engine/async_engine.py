@@ -15,12 +15,14 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from moeserve.config import EngineConfig
 from moeserve.engine.core import LLMEngine, build_engine
 from moeserve.engine.errors import EngineDead, EngineInputError, RequestFailed, failure_message
 from moeserve.engine.outputs import RequestOutput
+from moeserve.loader.source import GGUF_SUFFIX
 from moeserve.sampling import SamplingParams, is_device_error
 
 log = logging.getLogger(__name__)
@@ -252,5 +254,5 @@ def served_name(model: str | None) -> str:
     """The name a model is served under: its checkpoint's file or folder name."""
     if model is None:
         return "SmolLM2-135M-Instruct"
-    base = os.path.basename(os.path.normpath(model))
-    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+    path = Path(os.path.normpath(model))
+    return path.stem if path.suffix == GGUF_SUFFIX else path.name

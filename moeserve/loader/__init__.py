@@ -6,14 +6,18 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from moeserve.config import ConfigError
 from moeserve.errors import LoadError
-from moeserve.loader.base import DEFAULT_PLANNING, LoadedModel, Planning
-from moeserve.loader.validate import read_json, validate_checkpoint
+from moeserve.loader.base import DEFAULT_PLANNING, LoadedModel, LoadRequest, Planning, SourceKind
+from moeserve.loader.source import GGUF_SUFFIX, source_kind
+from moeserve.loader.validate import validate_folder, validate_gguf
+from moeserve.parallel.groups import SINGLE
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +43,7 @@ def resolve_model_path(model: str | None) -> str:
     if not p.exists():
         raise LoadError(f"model path {model} does not exist")
     if p.is_dir():
-        ggufs = sorted(p.glob("*.gguf"))
+        ggufs = sorted(p.glob(f"*{GGUF_SUFFIX}"))
         if ggufs and not (p / "config.json").exists():
             if len(ggufs) > 1:
                 raise LoadError(f"{model} holds several .gguf files; name one of them")
@@ -65,37 +69,33 @@ def load_model(
     """Load a model path; any failure is a `LoadError` of one sentence naming the path (the
     traceback is logged at debug level). Files are checked first (validate.py), so a
     corrupt header is refused before a loader reads, maps or allocates anything it declares.
-    `planning`: what the kernel plan is resolved for (moeserve.layers.kernel_plan); `mtp`:
-    also build and load the checkpoint's MTP module (a draft model); `eagle3`: the folder of
-    an EAGLE-3 draft head to load for it (`LoadedModel.draft`)."""
+    The settings are those of `LoadRequest`; `eagle3`: the folder of an EAGLE-3 draft head
+    to load for it (`LoadedModel.draft`)."""
     path = resolve_model_path(model)
     _check_cpu_kernels(planning.settings.cpu_kernels, device, dtype)
-    if load_format != "dummy" or path.endswith(".gguf"):
-        validate_checkpoint(path)
-    elif (Path(path) / "config.json").is_file():
-        read_json(str(Path(path) / "config.json"))
+    request = LoadRequest(
+        path,
+        source_kind(path),
+        dtype,
+        device,
+        quantize=quantize,
+        kv_cache_dtype=kv_cache_dtype,
+        num_layers=num_layers,
+        load_format=load_format,
+        tp=tp or SINGLE,
+        seed=seed,
+        planning=planning,
+        mtp=mtp,
+    )
+    kind = SOURCE_KINDS[request.kind]
+    kind.validate(request)
     try:
-        loaded = _load(
-            path,
-            dtype,
-            device,
-            quantize=quantize,
-            kv_cache_dtype=kv_cache_dtype,
-            num_layers=num_layers,
-            load_format=load_format,
-            tp=tp,
-            seed=seed,
-            planning=planning,
-            mtp=mtp,
-        )
+        loaded = kind.load(request)
         if eagle3 is not None:
-            from dataclasses import replace
-
             from moeserve.loader.eagle3 import load_eagle3_draft
-            from moeserve.parallel.groups import SINGLE
 
             draft = load_eagle3_draft(
-                eagle3, loaded, dtype, device, tp or SINGLE, planning, load_format
+                eagle3, loaded, dtype, device, request.tp, planning, load_format
             )
             loaded = replace(loaded, draft=draft)
     except LoadError:
@@ -123,49 +123,28 @@ def _check_cpu_kernels(choice: str, device: str, dtype: torch.dtype) -> None:
         raise LoadError(f"--cpu-kernels native: {line}")
 
 
-def _load(
-    path: str,
-    dtype: torch.dtype,
-    device: str,
-    *,
-    quantize: str,
-    kv_cache_dtype: str,
-    num_layers: int | None,
-    load_format: str,
-    tp,
-    seed: int,
-    planning: Planning,
-    mtp: bool = False,
-) -> LoadedModel:
-    if path.endswith(".gguf"):
-        from moeserve.loader.gguf import load_gguf_model
+def _load_gguf(request: LoadRequest) -> LoadedModel:
+    from moeserve.loader.gguf import load_gguf_model  # needs the `gguf` package
 
-        return load_gguf_model(
-            path,
-            dtype,
-            device,
-            quantize=quantize,
-            tp=tp,
-            num_layers=num_layers,
-            load_format=load_format,
-            kv_cache_dtype=kv_cache_dtype,
-            planning=planning,
-            mtp=mtp,
-        )
-    if not (Path(path) / "config.json").is_file():
-        raise LoadError(f"{path} is neither a .gguf file nor a folder with config.json")
+    return load_gguf_model(request)
+
+
+def _load_folder(request: LoadRequest) -> LoadedModel:
     from moeserve.loader.safetensors import load_safetensors_model
-    from moeserve.parallel.groups import SINGLE
 
-    return load_safetensors_model(
-        path,
-        dtype,
-        device,
-        tp or SINGLE,
-        kv_cache_dtype=kv_cache_dtype,
-        num_layers=num_layers,
-        load_format=load_format,
-        seed=seed,
-        planning=planning,
-        mtp=mtp,
-    )
+    return load_safetensors_model(request)
+
+
+@dataclass(frozen=True)
+class SourceKindOps:
+    """How one kind of model path is checked and loaded."""
+
+    validate: Callable[[LoadRequest], None]
+    load: Callable[[LoadRequest], LoadedModel]
+
+
+SOURCE_KINDS: dict[SourceKind, SourceKindOps] = {
+    "gguf": SourceKindOps(lambda r: validate_gguf(r.path), _load_gguf),
+    # a dummy load reads no weights, so only the JSON files are checked
+    "hf": SourceKindOps(lambda r: validate_folder(r.path, r.load_format != "dummy"), _load_folder),
+}

@@ -5,7 +5,7 @@ layers before any weight is read."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -49,6 +49,29 @@ class Planning:
 
 
 DEFAULT_PLANNING = Planning()  # the load device's hardware, default settings
+
+# what a model path is (moeserve.loader.source.source_kind): a llama.cpp GGUF file, or an HF
+# checkpoint folder (config.json + safetensors)
+SourceKind = Literal["gguf", "hf"]
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One load, as `load_model` resolved it: the path and its kind, decided once, and every
+    setting the kind's loader reads."""
+
+    path: str
+    kind: SourceKind
+    dtype: torch.dtype
+    device: str = "cpu"
+    quantize: str = "auto"  # GGUF on the CPU: the weight-only method (auto, none, int8, int4)
+    kv_cache_dtype: str = "auto"
+    num_layers: int | None = None  # keep the first N layers (benchmarks on real shapes)
+    load_format: str = "auto"  # auto | dummy (random weights of the real shapes) | the format
+    tp: TPGroup = SINGLE  # this rank's tensor-parallel group
+    seed: int = 0  # of the dummy weights
+    planning: Planning = DEFAULT_PLANNING
+    mtp: bool = False  # also build the checkpoint's first MTP layer as a draft model
 
 
 def build_model(

@@ -59,7 +59,7 @@ class DraftFolder:
 def describe_draft(path: str) -> DraftFolder:
     """The folder's config and tensor names; one sentence on any problem."""
     from moeserve.loader.safetensors import checkpoint_files, iterate_tensors
-    from moeserve.loader.validate import validate_checkpoint
+    from moeserve.loader.validate import validate_folder
 
     if not os.path.isdir(path):
         raise LoadError(f"EAGLE-3 draft path {path} is not a folder")
@@ -70,7 +70,7 @@ def describe_draft(path: str) -> DraftFolder:
         raise LoadError(f"{path}: {e}") from None
     names: frozenset[str] = frozenset()
     if any(n.endswith(".safetensors") for n in os.listdir(path)):
-        validate_checkpoint(path)
+        validate_folder(path)
         names = frozenset(n for n, _ in iterate_tensors(checkpoint_files(path), progress=False))
     return DraftFolder(path, cfg, names, quantized=bool(raw.get("quantization_config")))
 

@@ -19,10 +19,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from moeserve.config import ConfigError, ModelConfig
+from moeserve.config import ConfigError, ModelConfig, llama_config_from_gguf
 from moeserve.errors import LoadError
-from moeserve.loader.base import DEFAULT_PLANNING, LoadedModel, Planning, build_model
-from moeserve.parallel.groups import SINGLE, TPGroup
+from moeserve.loader.base import LoadedModel, LoadRequest, build_model
 
 log = logging.getLogger(__name__)
 
@@ -130,78 +129,60 @@ class _GGUFFile:
         return f"GGUF {self.meta.get('general.name', '')} ({kinds}), {what}"
 
 
-def load_gguf_model(
-    path: str,
-    dtype: torch.dtype,
-    device: str = "cpu",
-    quantize: str = "auto",
-    tp: TPGroup | None = SINGLE,
-    num_layers: int | None = None,
-    load_format: str = "auto",
-    kv_cache_dtype: str = "auto",
-    planning: Planning = DEFAULT_PLANNING,
-    mtp: bool = False,
-) -> LoadedModel:
-    """Build the model of a GGUF file (llama or deepseek2) and load its weights.
+def load_gguf_model(request: LoadRequest) -> LoadedModel:
+    """Build the model of a GGUF file and load its weights, by its architecture's loader.
 
-    `tp`: this rank's tensor-parallel group (deepseek2): every rank reads the whole file and
-    its parameters' weight loaders keep its slice (None: one process). `num_layers`: keep the
-    first N layers. `mtp`: also build the file's first MTP (nextn) block as a draft model.
+    deepseek2 under tensor parallelism: every rank reads the whole file and its parameters'
+    weight loaders keep its slice. `request.mtp`: also build the file's first MTP (nextn)
+    block as a draft model.
     """
     from gguf import GGUFReader
 
     from moeserve.tokenizer.gguf_vocab import build_gguf_tokenizer
 
-    if load_format not in _LOAD_FORMATS:
-        raise LoadError(f"load format {load_format!r} does not apply to GGUF files; use auto")
+    path = request.path
+    if request.load_format not in _LOAD_FORMATS:
+        raise LoadError(
+            f"load format {request.load_format!r} does not apply to GGUF files; use auto"
+        )
     try:
         reader = GGUFReader(path)
     except (OSError, ValueError) as e:
         raise LoadError(f"cannot read GGUF file {path}: {e}") from None
     meta = read_metadata(reader)
-    arch = meta.get("general.architecture")
-    if arch not in ("llama", "deepseek2"):
-        raise LoadError(f"GGUF architecture {arch!r} is not supported (llama and deepseek2 are)")
+    arch = str(meta.get("general.architecture"))
+    load = _LOADERS.get(arch)
+    if load is None:
+        known = " and ".join(_LOADERS)
+        raise LoadError(f"GGUF architecture {arch!r} is not supported ({known} are)")
     prefix = f"{arch}."
     arch_meta = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
     try:
         tokenizer = build_gguf_tokenizer(meta)
     except ValueError as e:
         raise LoadError(str(e)) from None
-    f = _GGUFFile(reader, meta, arch_meta, tokenizer)
-    tp = tp or SINGLE
-    if arch == "deepseek2":
-        return _load_deepseek2(
-            f, dtype, device, quantize, tp, num_layers, kv_cache_dtype, planning, mtp
-        )
-    if mtp:
-        raise LoadError("--speculative-config method mtp needs a deepseek2 GGUF file with MTP")
-    if tp.size > 1:
-        raise LoadError("tensor parallelism over a llama GGUF file is not supported")
-    return _load_llama(f, dtype, device, quantize, num_layers, planning)
+    return load(_GGUFFile(reader, meta, arch_meta, tokenizer), request)
 
 
-def _load_llama(
-    f: _GGUFFile,
-    dtype: torch.dtype,
-    device: str,
-    quantize: str,
-    num_layers: int | None,
-    planning: Planning,
-) -> LoadedModel:
+def _load_llama(f: _GGUFFile, r: LoadRequest) -> LoadedModel:
     from moeserve.layers.quant.cpu import cpu_quant_config
-    from moeserve.models.registry import model_class
+    from moeserve.models.registry import ARCHITECTURES
 
+    if r.mtp:
+        raise LoadError("--speculative-config method mtp needs a deepseek2 GGUF file with MTP")
+    if r.tp.size > 1:
+        raise LoadError("tensor parallelism over a llama GGUF file is not supported")
     arch_meta = dict(f.arch_meta)
     arch_meta.setdefault("vocab_size", len(f.meta["tokenizer.ggml.tokens"]))
     arch_meta["tie_word_embeddings"] = "output.weight" not in f.tensor_names
-    cfg = ModelConfig.from_gguf_llama(arch_meta)
-    if num_layers is not None:
-        cfg = cfg.with_layers(num_layers)
+    entry = ARCHITECTURES.lookup_gguf("llama")
+    cfg = llama_config_from_gguf(arch_meta, entry.name)
+    if r.num_layers is not None:
+        cfg = cfg.with_layers(r.num_layers)
     cfg = _with_special_ids(cfg, f.tokenizer)
-    quant = cpu_quant_config(_resolve_quantization(quantize, f.reader, dtype, device))
+    quant = cpu_quant_config(_resolve_quantization(r.quantize, f.reader, r.dtype, r.device))
     model, plan = build_model(
-        model_class(cfg.architecture), cfg, quant, dtype, device, dtype, planning
+        entry.model_class(), cfg, quant, r.dtype, r.device, r.dtype, r.planning
     )
     model.load_weights(iter_llama_weights(f.reader, cfg))
     return LoadedModel(
@@ -209,43 +190,34 @@ def _load_llama(
     )
 
 
-def _load_deepseek2(
-    f: _GGUFFile,
-    dtype: torch.dtype,
-    device: str,
-    quantize: str,
-    tp: TPGroup,
-    num_layers: int | None,
-    kv_cache_dtype: str,
-    planning: Planning,
-    mtp: bool,
-) -> LoadedModel:
+def _load_deepseek2(f: _GGUFFile, r: LoadRequest) -> LoadedModel:
     from moeserve.layers.quant.base import NoQuant
     from moeserve.loader.base import resolve_kv_cache_dtype
     from moeserve.loader.gguf_deepseek import deepseek2_hf_config, iter_deepseek2_weights
-    from moeserve.models.registry import model_class
+    from moeserve.models.registry import config_from_hf, model_class
 
-    if quantize not in ("auto", "none"):
+    dtype, tp = r.dtype, r.tp
+    if r.quantize not in ("auto", "none"):
         # the CPU weight-only int4/int8 methods keep no dense weight, which MLA needs
-        raise LoadError(f"quantization {quantize} applies to llama GGUF files; use none or auto")
+        raise LoadError(f"quantization {r.quantize} applies to llama GGUF files; use none or auto")
     vocab = int(f.arch_meta.get("vocab_size") or len(f.meta["tokenizer.ggml.tokens"]))
     try:
-        cfg = ModelConfig.from_hf(deepseek2_hf_config(f.arch_meta, f.tensor_names, vocab))
+        cfg = config_from_hf(deepseek2_hf_config(f.arch_meta, f.tensor_names, vocab))
     except (KeyError, ConfigError) as e:
         raise LoadError(f"GGUF deepseek2 metadata is incomplete or unsupported: {e}") from None
-    if mtp:
+    if r.mtp:
         if cfg.num_nextn_predict_layers < 1:
             raise LoadError(
                 "--speculative-config method mtp: this GGUF file has no MTP (nextn) block "
                 "(llama.cpp's deepseek2 converter drops it); use the HF checkpoint folder"
             )
         cfg = cfg.with_mtp()
-    if num_layers is not None:
-        cfg = cfg.with_layers(num_layers)
+    if r.num_layers is not None:
+        cfg = cfg.with_layers(r.num_layers)
     cfg = _with_special_ids(cfg, f.tokenizer)
-    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, None, dtype)
+    kv_dtype = resolve_kv_cache_dtype(r.kv_cache_dtype, None, dtype)
     model, plan = build_model(
-        model_class(cfg.architecture), cfg, NoQuant(), dtype, device, kv_dtype, planning, tp
+        model_class(cfg.architecture), cfg, NoQuant(), dtype, r.device, kv_dtype, r.planning, tp
     )
     loaded = model.load_weights(iter_deepseek2_weights(f.reader, cfg, dequantize))
     missing = [
@@ -261,6 +233,10 @@ def _load_deepseek2(
         what += f", tensor-parallel rank {tp.rank} of {tp.size}"
     return LoadedModel(model, f.tokenizer, cfg, plan.kv_cache_dtype, f.describe(what), plan)
 
+
+# llama.cpp architecture -> its loader; each is served by the architecture-table entry whose
+# gguf_arch it is (moeserve.models.registry)
+_LOADERS = {"llama": _load_llama, "deepseek2": _load_deepseek2}
 
 _Q4 = {"Q4_0", "Q4_1", "Q4_K"}
 

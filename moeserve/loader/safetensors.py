@@ -23,17 +23,10 @@ from tqdm import tqdm
 from moeserve.config import ConfigError, ModelConfig
 from moeserve.errors import LoadError
 from moeserve.layers.quant.base import QuantConfig
-from moeserve.loader.base import (
-    DEFAULT_PLANNING,
-    LoadedModel,
-    Planning,
-    build_model,
-    resolve_kv_cache_dtype,
-)
+from moeserve.loader.base import LoadedModel, LoadRequest, build_model, resolve_kv_cache_dtype
 from moeserve.loader.source import describe_source
 from moeserve.models.registry import model_class
 from moeserve.models.weights import finish_loading
-from moeserve.parallel.groups import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -213,43 +206,39 @@ def _describe(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, kv: torc
     )
 
 
-def load_safetensors_model(
-    path: str,
-    dtype: torch.dtype,
-    device: str = "cpu",
-    tp: TPGroup = SINGLE,
-    kv_cache_dtype: str = "auto",
-    num_layers: int | None = None,
-    load_format: str = "auto",
-    stats: ReadStats | None = None,
-    seed: int = 0,
-    planning: Planning = DEFAULT_PLANNING,
-    mtp: bool = False,
-) -> LoadedModel:
-    """Build the model of an HF checkpoint folder on `device` and load this rank's slices of
-    its weights in their stored format (each slice read once, straight into its parameter;
-    `stats` counts the bytes read)."""
+def load_safetensors_model(request: LoadRequest, stats: ReadStats | None = None) -> LoadedModel:
+    """Build the model of an HF checkpoint folder on the request's device and load this rank's
+    slices of its weights in their stored format (each slice read once, straight into its
+    parameter; `stats` counts the bytes read)."""
     from moeserve.tokenizer.hf import load_hf_tokenizer
 
+    path, dtype, load_format = request.path, request.dtype, request.load_format
     try:
-        src = describe_source(path)
+        src = describe_source(path, request.kind)
     except ConfigError as e:
         raise LoadError(str(e)) from None
     cfg, quant = src.config, src.quant
-    if mtp:
+    if request.mtp:
         try:
             cfg = cfg.with_mtp()
         except ConfigError as e:
             raise LoadError(str(e)) from None
-    if num_layers is not None:
-        cfg = cfg.with_layers(num_layers)
-    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, src.kv_cache_quant_algo, dtype)
+    if request.num_layers is not None:
+        cfg = cfg.with_layers(request.num_layers)
+    kv_dtype = resolve_kv_cache_dtype(request.kv_cache_dtype, src.kv_cache_quant_algo, dtype)
     model, plan = build_model(
-        model_class(cfg.architecture), cfg, quant, dtype, device, kv_dtype, planning, tp
+        model_class(cfg.architecture),
+        cfg,
+        quant,
+        dtype,
+        request.device,
+        kv_dtype,
+        request.planning,
+        request.tp,
     )
     kv_dtype = plan.kv_cache_dtype
     if load_format == "dummy":
-        _dummy_fill(model, seed)
+        _dummy_fill(model, request.seed)
         finish_loading(model)
     elif load_format in ("auto", "safetensors"):
         loaded = model.load_weights(iterate_tensors(checkpoint_files(path), stats=stats))

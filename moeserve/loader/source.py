@@ -13,6 +13,8 @@ from typing import Any
 from moeserve.config import DEFAULT_MAX_POSITIONS, ConfigError, ModelConfig
 from moeserve.errors import LoadError
 from moeserve.layers.quant.base import QuantConfig
+from moeserve.loader.base import SourceKind
+from moeserve.models.registry import config_from_hf
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class GGUFTensor:
 @dataclass(frozen=True)
 class ModelSource:
     path: str
-    kind: str  # "hf" (a checkpoint folder) or "gguf"
+    kind: SourceKind
     raw: dict[str, Any]  # config.json, or the GGUF file's scalar metadata (key -> value)
     config: ModelConfig | None = None  # HF: parsed; GGUF: built by its loader (needs the vocab)
     quant: QuantConfig | None = None  # HF: the checkpoint's; GGUF: chosen at load
@@ -66,10 +68,25 @@ def read_config_json(path: str) -> dict[str, Any]:
     return raw
 
 
-def describe_source(path: str) -> ModelSource:
+GGUF_SUFFIX = ".gguf"
+
+
+def source_kind(path: str) -> SourceKind:
+    """What a resolved model path is, decided here and nowhere else: a .gguf file, or a
+    checkpoint folder with config.json."""
+    if path.endswith(GGUF_SUFFIX):
+        return "gguf"
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "hf"
+    raise LoadError(f"{path} is neither a .gguf file nor a folder with config.json")
+
+
+def describe_source(path: str, kind: SourceKind | None = None) -> ModelSource:
     """The description of a resolved model path (a .gguf file or a checkpoint folder)."""
-    if path.endswith(".gguf"):
-        return _describe_gguf(path)
+    return _DESCRIBE[kind or source_kind(path)](path)
+
+
+def _describe_folder(path: str) -> ModelSource:
     from moeserve.layers.quant.parse import (
         MODELOPT_FILE,
         QuantConfigError,
@@ -79,7 +96,7 @@ def describe_source(path: str) -> ModelSource:
 
     raw = read_config_json(path)
     try:
-        cfg = ModelConfig.from_hf(raw)
+        cfg = config_from_hf(raw)
         quant = quant_config_from_checkpoint(path, raw)
         ckq = read_checkpoint_quant(path, raw)
     except QuantConfigError as e:
@@ -113,3 +130,6 @@ def _describe_gguf(path: str) -> ModelSource:
     except Exception as e:  # noqa: BLE001 - a parser of an untrusted file: any failure is "corrupt"
         raise LoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
     return ModelSource(path, "gguf", meta, quant_source="GGUF tensor types", gguf_tensors=tensors)
+
+
+_DESCRIBE = {"gguf": _describe_gguf, "hf": _describe_folder}

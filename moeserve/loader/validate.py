@@ -58,17 +58,16 @@ _JSON_FILES = (
 )
 
 
-def validate_checkpoint(path: str) -> None:
-    """Check a resolved model path (a .gguf file or an HF folder); raise `LoadError`."""
-    if path.endswith(".gguf"):
-        validate_gguf(path)
-        return
+def validate_folder(path: str, weights: bool = True) -> None:
+    """Check an HF checkpoint folder's JSON files and (`weights`) its safetensors headers;
+    raise `LoadError`."""
     folder = Path(path)
     for name in _JSON_FILES:
         if (folder / name).is_file():
             read_json(str(folder / name))
-    for f in sorted(folder.glob("*.safetensors")):
-        validate_safetensors(str(f))
+    if weights:
+        for f in sorted(folder.glob("*.safetensors")):
+            validate_safetensors(str(f))
 
 
 def read_json(path: str) -> Any:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moeserve.config import ConfigError, ModelConfig
+from moeserve.config import ConfigError, ModelConfig, deepseek_config, llama_config
 from moeserve.layers.attention.metadata import ForwardContext
 from moeserve.layers.attention.mla import MLAAttention
 from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -109,9 +109,7 @@ class Eagle3Config:
             raise ConfigError("EAGLE-3 draft heads with more than one layer are not supported")
         try:
             layer = (
-                ModelConfig._deepseek_from_hf(raw)
-                if kind == "mla"
-                else ModelConfig._llama_from_hf(raw)
+                deepseek_config(raw, "deepseek_v3") if kind == "mla" else llama_config(raw, "llama")
             )
         except KeyError as e:
             raise ConfigError(f"the EAGLE-3 config.json lacks {e}") from None

@@ -47,8 +47,10 @@ from moeserve.kernels.gemm.nvfp4_format import (
     nvfp4_global_scale,
     quantize_nvfp4_with_global,
 )
+from moeserve.models.registry import BUILTIN
 
-LIKES = ("kimi-k2.5", "deepseek-v3", "moonlight")
+# the layouts the architecture table names as written by this module
+LIKES = tuple(like for arch in BUILTIN for like in arch.checkpoint_likes)
 FORMATS = ("bf16", "fp8-block", "nvfp4-modelopt", "nvfp4-ct")
 FP8_WEIGHT_BLOCK = 128
 MODELOPT_VERSION = "0.47.0"

@@ -18,6 +18,7 @@ from moeserve.layers.quant.parse import quant_config_from_checkpoint
 from moeserve.loader.base import DEFAULT_PLANNING, build_model
 from moeserve.loader.safetensors import checkpoint_files, iterate_tensors
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moeserve.models.registry import config_from_hf
 from moeserve.parallel.groups import SINGLE
 from moeserve.testing.checkpoints import KERNEL_SHAPE, write_checkpoint
 
@@ -34,7 +35,7 @@ def _with_slots(cfg: ModelConfig, slots: bool) -> ModelConfig:
 def _model(path: str, device: str, dtype: torch.dtype, slots: bool) -> DeepseekV3ForCausalLM:
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
-    cfg = _with_slots(ModelConfig.from_hf(raw), slots)
+    cfg = _with_slots(config_from_hf(raw), slots)
     quant = quant_config_from_checkpoint(path, raw)
     # built as the loader builds it: the kernel plan of this device handed to the layers
     model, _ = build_model(

@@ -23,10 +23,10 @@ import moeserve.kernels.attention.kv_cache as kv_mod  # noqa: E402
 import moeserve.kernels.attention.mla_decode as dec_mod  # noqa: E402
 import moeserve.kernels.attention.mla_prefill as pre_mod  # noqa: E402
 import moeserve.kernels.elementwise.norm as norm_mod  # noqa: E402
-from moeserve.config import ModelConfig  # noqa: E402
 from moeserve.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from moeserve.layers.attention.mla_backends import TorchMLA, TritonMLA  # noqa: E402
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
+from moeserve.models.registry import config_from_hf
 from tests.kernels.interpreter_shims import install_interpreter_shims  # noqa: E402
 from tests.kernels.rounding_shim import install_bf16_rounding_shim  # noqa: E402
 from tests.models.helpers import YARN, PagedRunner, tiny_hf_config  # noqa: E402
@@ -64,7 +64,7 @@ REL_TOL = 0.01  # of the largest |logit|
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    m = DeepseekV3ForCausalLM(ModelConfig.from_hf(CFG))
+    m = DeepseekV3ForCausalLM(config_from_hf(CFG))
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith("norm.weight"):

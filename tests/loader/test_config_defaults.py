@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from moeserve.config import ModelConfig
+from moeserve.models.registry import config_from_hf
 
 # deepseek-ai/DeepSeek-V3 config.json as published (architecture fields; quantization and
 # auto_map left out)
@@ -86,7 +86,7 @@ def test_transformers_5_config_routes_like_the_published_one(tmp_path):
         rope_scaling=PUBLISHED_V3["rope_scaling"],
     )
     assert not {"topk_method", "scoring_func", "moe_layer_freq"} & set(saved)
-    ours, ref = ModelConfig.from_hf(saved), ModelConfig.from_hf(PUBLISHED_V3)
+    ours, ref = config_from_hf(saved), config_from_hf(PUBLISHED_V3)
     for name in ROUTING:
         assert getattr(ours.moe, name) == getattr(ref.moe, name), name
     assert ours.rope_scaling == ref.rope_scaling
@@ -95,9 +95,9 @@ def test_transformers_5_config_routes_like_the_published_one(tmp_path):
 
 @pytest.mark.parametrize("drop", ["topk_method", "scoring_func", "n_group", "norm_topk_prob"])
 def test_an_omitted_v3_field_takes_transformers_default(drop):
-    ref = ModelConfig.from_hf(PUBLISHED_V3)
+    ref = config_from_hf(PUBLISHED_V3)
     partial = {k: v for k, v in PUBLISHED_V3.items() if k != drop}
-    assert getattr(ModelConfig.from_hf(partial).moe, drop) == getattr(ref.moe, drop)
+    assert getattr(config_from_hf(partial).moe, drop) == getattr(ref.moe, drop)
 
 
 def test_deepseek_v2_keeps_its_own_defaults():
@@ -108,6 +108,6 @@ def test_deepseek_v2_keeps_its_own_defaults():
     }
     v2.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"])
     v2.update(n_routed_experts=64, num_experts_per_tok=6)
-    cfg = ModelConfig.from_hf(v2)
+    cfg = config_from_hf(v2)
     assert (cfg.moe.topk_method, cfg.moe.scoring_func, cfg.moe.n_group) == ("greedy", "softmax", 1)
     assert (cfg.moe.routed_scaling_factor, cfg.moe.norm_topk_prob) == (1.0, False)

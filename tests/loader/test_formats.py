@@ -14,7 +14,7 @@ import torch
 from moeserve.layers.moe import DeepseekMoE
 from moeserve.layers.quant.base import UnquantizedLinearMethod
 from moeserve.layers.quant.scheme import SchemeLinearMethod, dense_weight
-from moeserve.loader.safetensors import load_safetensors_model
+from moeserve.loader import load_model
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moeserve.testing.checkpoints import (
     FORMATS,
@@ -74,7 +74,7 @@ def root(tmp_path_factory):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_format_loads_with_exact_dequantized_weights(root, like, fmt):
     wc = write_checkpoint(str(root / f"{like}-{fmt}"), like, fmt)
-    lm = load_safetensors_model(wc.path, torch.float32)
+    lm = load_model(wc.path, torch.float32)
     assert lm.tokenizer.chat_template
     for name, truth in wc.ground_truth.items():
         got = model_weight(lm.model, name)
@@ -113,7 +113,7 @@ def _bf16_reference(lm, ground_truth):
 )
 def test_quantized_model_generates_like_bf16_of_dequantized(root, like, fmt):
     wc = write_checkpoint(str(root / f"gen-{like}-{fmt}"), like, fmt, seed=5)
-    lm = load_safetensors_model(wc.path, torch.float32)
+    lm = load_model(wc.path, torch.float32)
     ref = _bf16_reference(lm, wc.ground_truth)
     prompt = [5, 6, 7, 8, 9, 10, 11]
     ours = PagedRunner(lm.model).greedy(prompt, 16)
@@ -126,7 +126,7 @@ def test_exclude_modules_stay_bf16(root):
     with open(os.path.join(wc.path, "hf_quant_config.json")) as f:
         q = json.load(f)["quantization"]
     assert "language_model.layers.0.mlp*" in q["exclude_modules"]
-    m = load_safetensors_model(wc.path, torch.float32).model
+    m = load_model(wc.path, torch.float32).model
     dense0 = m.model.layers[0].mlp  # excluded: bf16, so gate and up are one merged GEMM
     assert isinstance(dense0.gate_up_proj.method, UnquantizedLinearMethod)
     assert dense0.gate_up_proj.weight.dtype == torch.float32
@@ -141,15 +141,14 @@ def test_weight_only_and_fp8_kv_cache(root):
     wc = write_checkpoint(
         str(root / "w4a16"), "deepseek-v3", "nvfp4-modelopt", w4a4=False, kv_fp8=True
     )
-    lm = load_safetensors_model(wc.path, torch.float32)
+    lm = load_model(wc.path, torch.float32)
     assert lm.kv_cache_dtype == torch.float8_e4m3fn  # auto follows kv_cache_quant_algo
     attn = lm.model.attention_layers()
     assert float(attn[0].kv_scale) == pytest.approx(0.01)  # max(k_scale, v_scale)
     assert float(attn[1].kv_scale) == pytest.approx(0.02)
     assert not hasattr(lm.model.model.layers[1].mlp.experts.w13, "input_scale")
     assert (
-        load_safetensors_model(wc.path, torch.float32, kv_cache_dtype="bf16").kv_cache_dtype
-        == torch.bfloat16
+        load_model(wc.path, torch.float32, kv_cache_dtype="bf16").kv_cache_dtype == torch.bfloat16
     )
     runner = PagedRunner(lm.model, kv_dtype=lm.kv_cache_dtype)
     assert len(runner.greedy([1, 2, 3], 4)) == 4
@@ -159,11 +158,11 @@ def test_single_file_dummy_and_cut_layers(root):
     wc = write_checkpoint(str(root / "single"), "moonlight", "bf16", shards=1)
     assert os.path.exists(os.path.join(wc.path, "model.safetensors"))
     assert not os.path.exists(os.path.join(wc.path, "model.safetensors.index.json"))
-    lm = load_safetensors_model(wc.path, torch.float32, num_layers=1)
+    lm = load_model(wc.path, torch.float32, num_layers=1)
     assert len(lm.model.model.layers) == 1
     nv = write_checkpoint(str(root / "dummy-src"), "kimi-k2.5", "nvfp4-modelopt")
     os.remove(os.path.join(nv.path, "model-00001-of-00003.safetensors"))  # dummy needs no weights
-    dummy = load_safetensors_model(nv.path, torch.float32, load_format="dummy")
+    dummy = load_model(nv.path, torch.float32, load_format="dummy")
     assert dummy.model.model.layers[1].mlp.experts.w13.weight.dtype == torch.uint8
     runner = PagedRunner(dummy.model)
     logits = runner.step({runner.add_sequence(): [1, 2, 3]})
@@ -193,5 +192,5 @@ def test_make_checkpoint_cli(tmp_path):
     assert cfg["quantization_config"]["format"] == "nvfp4-pack-quantized"
     with open(tmp_path / "c" / "model.safetensors.index.json") as f:
         assert len(set(json.load(f)["weight_map"].values())) == 3
-    lm = load_safetensors_model(str(tmp_path / "c"), torch.float32)
+    lm = load_model(str(tmp_path / "c"), torch.float32)
     assert len(lm.model.model.layers) == 3

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moeserve.config import ModelConfig
 from moeserve.errors import LoadError
 from moeserve.loader import load_model
-from moeserve.loader.gguf import dequantize, load_gguf_model
+from moeserve.loader.gguf import dequantize
 from moeserve.loader.gguf_deepseek import deepseek2_hf_config
+from moeserve.models.registry import config_from_hf
 from moeserve.parallel.groups import TPGroup
 from moeserve.testing.checkpoints import write_kimi_tokenizer
 from tests.loader.gguf_fixtures import (
@@ -124,8 +124,8 @@ def test_files_are_what_the_tests_assume(files):
 @pytest.mark.parametrize("name,outtype", [("v3", "f32"), ("v3", "q8_0"), ("moon", "f16")])
 def test_config_from_gguf_metadata_equals_hf(files, name, outtype):
     cfg = {"v3": CFG_V3, "moon": CFG_MOON}[name]
-    lm = load_gguf_model(files.paths[name, outtype], torch.float32)
-    assert lm.config == ModelConfig.from_hf(cfg)
+    lm = load_model(files.paths[name, outtype], torch.float32)
+    assert lm.config == config_from_hf(cfg)
 
 
 def _rounded_like_the_file(hf, cfg: dict, outtype: str, workdir: str):
@@ -172,7 +172,7 @@ def test_logits_match_hf(files, name, outtype, tmp_path):
     if outtype != "f32":
         cfg = {"v3": CFG_V3, "moon": CFG_MOON}[name]
         hf, tol = _rounded_like_the_file(hf, cfg, outtype, str(tmp_path)), TOL_ROUNDED
-    lm = load_gguf_model(files.paths[name, outtype], torch.float32)
+    lm = load_model(files.paths[name, outtype], torch.float32)
     runner = PagedRunner(lm.model, page_size=4)
     seq = runner.add_sequence()
     tokens, ours = list(PROMPT), runner.step({seq: PROMPT})[0]
@@ -189,7 +189,7 @@ def test_logits_match_hf(files, name, outtype, tmp_path):
 
 
 def test_f32_greedy_matches_hf(files):
-    lm = load_gguf_model(files.paths["v3", "f32"], torch.float32)
+    lm = load_model(files.paths["v3", "f32"], torch.float32)
     ours = PagedRunner(lm.model).greedy(PROMPT, STEPS)
     assert ours == hf_greedy(files.hf["v3"], PROMPT, STEPS)
 
@@ -211,7 +211,7 @@ def test_tokenizer_matches_hf(files):
 
     folder = files.folders["v3"]
     ref = RawTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-    tok = load_gguf_model(files.paths["v3", "q8_0"], torch.float32).tokenizer
+    tok = load_model(files.paths["v3", "q8_0"], torch.float32).tokenizer
     assert tok.bos_token_id == 0 and tok.eos_token_id == 1
     for text in TEXTS:
         ids = ref.encode(text, add_special_tokens=False).ids
@@ -280,7 +280,7 @@ def _tp_worker(rank: int, world: int, store: str, path: str, out: str) -> None:
 
 def test_tp2_matches_single_process(files, tmp_path):
     path = files.paths["v3", "q8_0"]
-    single = PagedRunner(load_gguf_model(path, torch.float32).model).greedy(PROMPT, STEPS)
+    single = PagedRunner(load_model(path, torch.float32).model).greedy(PROMPT, STEPS)
     out, store = str(tmp_path / "tokens.pt"), str(tmp_path / "gloo_store")
     mp.spawn(_tp_worker, args=(2, store, path, out), nprocs=2, join=True)
     assert torch.load(out) == single
@@ -288,12 +288,12 @@ def test_tp2_matches_single_process(files, tmp_path):
 
 def test_num_layers_and_user_errors(files):
     path = files.paths["v3", "f32"]
-    lm = load_gguf_model(path, torch.float32, num_layers=2)
+    lm = load_model(path, torch.float32, num_layers=2)
     assert len(lm.model.model.layers) == 2 and lm.config.num_hidden_layers == 2
     with pytest.raises(LoadError, match="quantization int8"):
-        load_gguf_model(path, torch.float32, quantize="int8")
+        load_model(path, torch.float32, quantize="int8")
     with pytest.raises(LoadError, match="load format"):
-        load_gguf_model(path, torch.float32, load_format="dummy")
+        load_model(path, torch.float32, load_format="dummy")
 
 
 def test_metadata_of_older_converters():
@@ -399,7 +399,7 @@ def test_missing_k_b_half_is_an_error():
     class R:
         tensors = [T()]
 
-    cfg = ModelConfig.from_hf(CFG_V3)
+    cfg = config_from_hf(CFG_V3)
     cfg = replace(cfg, moe=replace(cfg.moe, topk_method="greedy"))
     with pytest.raises(LoadError, match="attn_k_b"):
         list(iter_deepseek2_weights(R(), cfg, lambda t, i: torch.zeros(1, 2, 2)))

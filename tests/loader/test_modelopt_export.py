@@ -16,7 +16,7 @@ from safetensors import safe_open
 from moeserve.kernels.gemm.nvfp4_format import dequantize_nvfp4
 from moeserve.layers.quant.base import UnquantizedLinearMethod
 from moeserve.layers.quant.scheme import SchemeLinearMethod
-from moeserve.loader.safetensors import load_safetensors_model
+from moeserve.loader import load_model
 from tests.models.helpers import YARN, PagedRunner, build_hf_model, hf_greedy, tiny_hf_config
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
@@ -107,7 +107,7 @@ def test_modelopt_export_layout(exported):
 
 def test_modelopt_export_generates_like_hf(exported):
     folder, cfgd = exported
-    lm = load_safetensors_model(folder, torch.float32)
+    lm = load_model(folder, torch.float32)
     layer1 = lm.model.model.layers[1]
     assert layer1.mlp.experts.w13.weight.dtype == torch.uint8  # stays NVFP4 in memory
     assert layer1.self_attn.kv_b_proj.weight.dtype == torch.uint8  # attention quantized too
@@ -137,7 +137,7 @@ def test_modelopt_export_generates_like_hf(exported):
 
 def test_excluded_router_and_lm_head_stay_unquantized(exported):
     folder, _ = exported
-    lm = load_safetensors_model(folder, torch.float32)
+    lm = load_model(folder, torch.float32)
     assert lm.model.model.layers[1].mlp.gate.weight.dtype == torch.float32
     # modelopt quantizes the dense layer's MLP (not in exclude_modules)
     assert isinstance(lm.model.model.layers[0].mlp.gate_proj.method, SchemeLinearMethod)

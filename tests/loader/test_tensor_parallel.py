@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moeserve.loader.safetensors import load_safetensors_model
+from moeserve.loader import load_model
 from moeserve.parallel.groups import TPGroup
 from moeserve.testing.checkpoints import TinyShape, write_checkpoint
 
@@ -41,7 +41,7 @@ def _worker(rank: int, world: int, store: str, path: str, out: str) -> None:
     # a file store: no port to race for between picking it and binding it
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     tp = TPGroup(rank, world, dist.group.WORLD)
-    lm = load_safetensors_model(path, torch.float32, tp=tp)
+    lm = load_model(path, torch.float32, tp=tp)
     result = _run(PagedRunner(lm.model))
     if rank == 0:
         torch.save(result, out)
@@ -64,7 +64,7 @@ def test_tp2_matches_single_process(tmp_path, like, fmt, shape):
     from tests.models.helpers import PagedRunner
 
     wc = write_checkpoint(str(tmp_path / "ck"), like, fmt, shape=shape, seed=7)
-    logits, tokens = _run(PagedRunner(load_safetensors_model(wc.path, torch.float32).model))
+    logits, tokens = _run(PagedRunner(load_model(wc.path, torch.float32).model))
     out = str(tmp_path / "tokens.pt")
     store = str(tmp_path / "gloo_store")
     mp.spawn(_worker, args=(2, store, wc.path, out), nprocs=2, join=True)

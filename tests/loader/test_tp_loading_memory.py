@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from moeserve.loader.base import LoadRequest
 from moeserve.loader.safetensors import ReadStats, load_safetensors_model
 from moeserve.parallel.groups import TPGroup
 from moeserve.testing.checkpoints import TinyShape, write_checkpoint
@@ -44,14 +45,18 @@ def checkpoint(tmp_path_factory, request):
 def test_each_rank_reads_only_its_share(checkpoint, ep):
     # bf16: the parameters keep the checkpoint's dtypes, so bytes kept = bytes read
     single_stats = ReadStats()
-    single = load_safetensors_model(checkpoint, torch.bfloat16, stats=single_stats).model
+    single = load_safetensors_model(
+        LoadRequest(checkpoint, "hf", torch.bfloat16), stats=single_stats
+    ).model
     full = _share(single)
     assert single_stats.bytes_read <= 1.05 * full  # one process reads the model once
     total = 0
     for rank in range(2):
         stats = ReadStats()
         tp = TPGroup(rank=rank, size=2, expert_parallel=ep)  # loading needs no collective
-        model = load_safetensors_model(checkpoint, torch.bfloat16, tp=tp, stats=stats).model
+        model = load_safetensors_model(
+            LoadRequest(checkpoint, "hf", torch.bfloat16, tp=tp), stats=stats
+        ).model
         share = _share(model)
         # what it reads is what it keeps (the acceptance bound is 1.5x; a loader that read
         # whole tensors and sliced them afterwards would read ~1.4x here and fail)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.config import ModelConfig
 from moeserve.layers.attention.metadata import AttentionMetadata, ForwardContext
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moeserve.models.registry import config_from_hf
 from tests.models.helpers import build_hf_model, tiny_hf_config
 
 TOL = 1e-3
@@ -51,7 +51,7 @@ def _models():
     ckpt[mtp + "shared_head.norm.weight"] = block.model.norm.weight.detach().clone()
     ckpt[mtp + "shared_head.head.weight"] = target.lm_head.weight.detach().clone()
     ckpt[mtp + "embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()
-    ours = DeepseekV3ForCausalLM(ModelConfig.from_hf(cfgd).with_mtp())
+    ours = DeepseekV3ForCausalLM(config_from_hf(cfgd).with_mtp())
     loaded = ours.load_weights(ckpt.items())
     params = {n for n, p in ours.named_parameters() if not getattr(p, "optional", False)}
     assert params <= loaded, params - loaded
@@ -101,5 +101,5 @@ def test_mtp_module_matches_the_reference():
 def test_mtp_layer_is_skipped_without_mtp():
     """Without method mtp the checkpoint's MTP layer is not built (its tensors skipped)."""
     cfgd = tiny_hf_config(num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
-    model = DeepseekV3ForCausalLM(ModelConfig.from_hf(cfgd))
+    model = DeepseekV3ForCausalLM(config_from_hf(cfgd))
     assert model.mtp is None and len(model.attention_layers()) == LAYERS

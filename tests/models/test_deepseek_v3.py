@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.config import ModelConfig
 from moeserve.layers.routing import select_experts
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moeserve.models.registry import config_from_hf
 from tests.models.helpers import YARN, PagedRunner, build_hf_model, hf_greedy, tiny_hf_config
 
 TOL = 1e-3
@@ -41,7 +41,7 @@ CONFIGS = {
 def _pair(name: str):
     cfgd = CONFIGS[name]
     hf = build_hf_model(cfgd, seed=1)
-    model = DeepseekV3ForCausalLM(ModelConfig.from_hf(cfgd))
+    model = DeepseekV3ForCausalLM(config_from_hf(cfgd))
     loaded = model.load_weights(hf.state_dict().items())
     params = {n for n, p in model.named_parameters() if not getattr(p, "optional", False)}
     assert params <= loaded, params - loaded

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from moeserve.config import ConfigError, ModelConfig
+from moeserve.config import ConfigError
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moeserve.models.eagle3 import (
     Eagle3Config,
@@ -33,6 +33,7 @@ from moeserve.models.eagle3 import (
     capture_aux_hidden,
     default_aux_layers,
 )
+from moeserve.models.registry import config_from_hf
 from moeserve.testing.checkpoints import KIMI_K25_EAGLE3_MLA_CONFIG, write_eagle3_checkpoint
 from tests.models.helpers import YARN, build_hf_model, one_sequence, tiny_hf_config
 
@@ -85,15 +86,13 @@ def test_published_configs_parse_to_their_layouts():
     # without the field: vLLM's and SGLang's default, the states entering 2, L // 2, L - 3
     assert default_aux_layers(61) == (2, 30, 58)
     no_ids = dict(PUBLISHED_LLAMA, eagle_config={"use_aux_hidden_state": True})
-    target = ModelConfig.from_hf(
+    target = config_from_hf(
         tiny_hf_config(num_hidden_layers=61, hidden_size=7168, vocab_size=129280)
     )
     assert Eagle3Config.from_hf(no_ids).aux_layers(target) == (2, 30, 58)
     with pytest.raises(ConfigError, match="do not fit"):  # a layer the target does not have
         Eagle3Config.from_hf(PUBLISHED_MLA).aux_layers(
-            ModelConfig.from_hf(
-                tiny_hf_config(num_hidden_layers=8, hidden_size=7168, vocab_size=163840)
-            )
+            config_from_hf(tiny_hf_config(num_hidden_layers=8, hidden_size=7168, vocab_size=163840))
         )
     with pytest.raises(ConfigError, match="vocabulary"):  # another model's head
         Eagle3Config.from_hf(PUBLISHED_LLAMA).aux_layers(replace(target, vocab_size=163840))
@@ -212,7 +211,7 @@ def target(tmp_path_factory):
     its config.json (what make-checkpoint sizes a head by)."""
     cfgd = tiny_hf_config(num_hidden_layers=LAYERS, rope_scaling=YARN)
     hf = build_hf_model(cfgd, seed=1)
-    ours = DeepseekV3ForCausalLM(ModelConfig.from_hf(cfgd))
+    ours = DeepseekV3ForCausalLM(config_from_hf(cfgd))
     ours.load_weights(hf.state_dict().items())
     folder = tmp_path_factory.mktemp("target")
     with open(folder / "config.json", "w") as f:

@@ -15,12 +15,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import moeserve.layers.attention.mla as mla_mod
-from moeserve.config import ModelConfig
 from moeserve.layers.linear import MergedReplicatedLinear, ReplicatedLinear
 from moeserve.layers.quant.fp8_block import Fp8BlockConfig
 from moeserve.layers.quant.nvfp4 import CompressedTensorsNvfp4Config, ModelOptNvfp4Config
 from moeserve.layers.quant.parse import quant_config_from_checkpoint
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moeserve.models.registry import config_from_hf
 from moeserve.testing.checkpoints import (
     TinyShape,
     _modelopt_global,
@@ -44,7 +44,7 @@ def _tensors(path: str) -> dict[str, torch.Tensor]:
 def _load(path: str, merge: bool, monkeypatch) -> DeepseekV3ForCausalLM:
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
-    cfg, quant = ModelConfig.from_hf(raw), quant_config_from_checkpoint(path, raw)
+    cfg, quant = config_from_hf(raw), quant_config_from_checkpoint(path, raw)
     with monkeypatch.context() as m:
         if not merge:
             m.setattr(mla_mod, "mergeable", lambda *a: False)

@@ -16,8 +16,9 @@ from moeserve.kernels.gemm.fp8_block_gemm import FP8_BLOCK, dequantize_fp8_block
 from moeserve.layers.moe import DeepseekMLP, DeepseekMoE, shared_expert_slots
 from moeserve.layers.quant.base import NoQuant
 from moeserve.layers.quant.fp8_block import Fp8BlockConfig
-from moeserve.loader.safetensors import load_safetensors_model
+from moeserve.loader import load_model
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moeserve.models.registry import config_from_hf
 from moeserve.parallel.groups import TPGroup
 from moeserve.testing.checkpoints import write_checkpoint
 from tests.models.helpers import PagedRunner, build_hf_model, tiny_hf_config
@@ -86,7 +87,7 @@ def _moe(cfg: ModelConfig, **changes) -> ModelConfig:
 
 
 def _load(cfgd: dict, ckpt: dict, quant=FP8, **moe_changes) -> DeepseekV3ForCausalLM:
-    cfg = _moe(ModelConfig.from_hf(cfgd), **moe_changes)
+    cfg = _moe(config_from_hf(cfgd), **moe_changes)
     model = DeepseekV3ForCausalLM(cfg, quant)
     loaded = model.load_weights(ckpt.items())
     params = {n for n, p in model.named_parameters() if not getattr(p, "optional", False)}
@@ -182,7 +183,7 @@ def test_unquantized_two_shared_experts_split_into_slots():
 
 
 def test_slots_decision():
-    cfg = ModelConfig.from_hf(tiny_hf_config())
+    cfg = config_from_hf(tiny_hf_config())
     p = "model.layers.1.mlp"
     assert shared_expert_slots(cfg, p, None) == 1
     assert shared_expert_slots(cfg, p, NoQuant()) == 1
@@ -217,7 +218,7 @@ def test_slots_decision():
 )
 def test_written_checkpoints_choose_by_format(tmp_path, like, fmt, slots):
     wc = write_checkpoint(str(tmp_path / "ck"), like, fmt)
-    lm = load_safetensors_model(wc.path, torch.float32)
+    lm = load_model(wc.path, torch.float32)
     experts = lm.config.moe.n_routed_experts
     for moe in _moe_layers(lm.model):
         assert moe.shared_slots == slots
@@ -225,7 +226,7 @@ def test_written_checkpoints_choose_by_format(tmp_path, like, fmt, slots):
             assert t.shape[0] == experts + slots
         assert isinstance(moe.shared_experts, DeepseekMLP) == (slots == 0)
     # dummy weights (from config.json alone) fill the slots like any expert
-    dummy = load_safetensors_model(wc.path, torch.float32, load_format="dummy").model
+    dummy = load_model(wc.path, torch.float32, load_format="dummy").model
     for moe in _moe_layers(dummy):
         for bank in (moe.experts.w13, moe.experts.w2):
             shared = bank.dense(bank.layout.num_local, torch.float32) if slots else None

@@ -13,8 +13,9 @@ import torch
 from oracle import hf_model, published_pixels, random_image, write_vision_checkpoint
 from safetensors import safe_open
 
-from moeserve.config import ModelConfig, VisionConfig
+from moeserve.config import VisionConfig
 from moeserve.loader import load_model
+from moeserve.models.registry import config_from_hf
 from moeserve.multimodal.kimi import KimiImageProcessor, MediaProcessorConfig, navit_resize
 from moeserve.testing.checkpoints import write_checkpoint
 
@@ -35,7 +36,7 @@ def ours(folder):
 def test_config_reads_the_published_vision_fields(folder):
     import json
 
-    cfg = ModelConfig.from_hf(json.loads((Path(folder) / "config.json").read_text()))
+    cfg = config_from_hf(json.loads((Path(folder) / "config.json").read_text()))
     v = cfg.vision
     assert isinstance(v, VisionConfig)
     assert (v.hidden_size, v.num_hidden_layers, v.num_attention_heads) == (32, 2, 2)

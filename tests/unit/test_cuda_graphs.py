@@ -12,12 +12,13 @@ import torch
 from torch import nn
 
 from moeserve.cli import _build_parser, engine_config
-from moeserve.config import EngineConfig, ModelConfig
+from moeserve.config import EngineConfig
 from moeserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_blockers, padded_size
 from moeserve.layers.attention.mha import PagedAttention
 from moeserve.layers.attention.mla import MLADecodeScratch
 from moeserve.layers.quant.scheme import shared_splitk_workspace, splitk_fits
 from moeserve.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moeserve.models.registry import config_from_hf
 from tests.models.helpers import tiny_hf_config
 
 
@@ -55,7 +56,7 @@ def test_graph_blockers():
         "PagedAttention"
     ]
     # on a CPU (and for a non-512+64 latent) MLA runs the torch path, experts loop on the host
-    model = DeepseekV3ForCausalLM(ModelConfig.from_hf(tiny_hf_config()))
+    model = DeepseekV3ForCausalLM(config_from_hf(tiny_hf_config()))
     assert graph_blockers(model) == ["MLAAttention", "RoutedExperts"]
 
 

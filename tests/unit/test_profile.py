@@ -61,10 +61,10 @@ def test_every_one_shot_all_reduce_kernel_counts_as_all_reduce():
 
 
 def test_labelled_scopes_cover_the_model_and_are_removed(tmp_path):
-    from moeserve.loader.safetensors import load_safetensors_model
+    from moeserve.loader import load_model
 
     wc = write_checkpoint(str(tmp_path / "k"), "kimi-k2.5", "nvfp4-modelopt", seed=1)
-    model = load_safetensors_model(wc.path, torch.float32).model
+    model = load_model(wc.path, torch.float32).model
     before = {id(m): m.forward for m in model.modules()}
     with labelled(model):
         wrapped = [m for m in model.modules() if "forward" in m.__dict__]
@@ -79,12 +79,12 @@ def test_shared_slot_gemms_are_labelled_shared_expert(tmp_path, monkeypatch):
     # outside the fused kernel's batch sizes the shared slots run as dense GEMMs called from
     # the MoE block (whose scope is "router"): their own scope puts them on the shared row
     from moeserve.layers.moe import RoutedExperts
-    from moeserve.loader.safetensors import load_safetensors_model
+    from moeserve.loader import load_model
 
     # the GPU GEMMs themselves are not the point here: a CPU stand-in with the same name
     monkeypatch.setattr(RoutedExperts, "shared_dense", lambda self, x: x * 2)
     wc = write_checkpoint(str(tmp_path / "k"), "deepseek-v3", "fp8-block", seed=1)
-    model = load_safetensors_model(wc.path, torch.float32).model
+    model = load_model(wc.path, torch.float32).model
     experts = next(m for m in model.modules() if isinstance(m, RoutedExperts))
     assert experts.layout.num_shared == 1
     with labelled(model), torch.profiler.profile() as prof:

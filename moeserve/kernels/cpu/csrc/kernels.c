@@ -209,13 +209,8 @@ static struct {
     int workers;        /* worker threads started */
     int64_t solo_until; /* the caller computes alone until then (after a stall) */
     int64_t backoff;    /* how long the next stall makes it do so */
-    int64_t stats[3];   /* calls shared with workers, stalls, calls computed alone after one */
 } POOL = {.owner = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
           .wake = PTHREAD_COND_INITIALIZER, .backoff = MIN_BACKOFF_NS};
-
-/* out[3]: calls shared with workers, stalls, calls computed alone after a stall (counts since
- * the library loaded; for benchmarks) */
-void ms_pool_stats(int64_t* out) { memcpy(out, POOL.stats, sizeof(POOL.stats)); }
 
 static _Atomic int THREADS = 1;
 
@@ -336,7 +331,6 @@ static void pool_run(chunk_fn fn, void* arg, int64_t n) {
         return;
     }
     if (POOL.solo_until && now_ns() < POOL.solo_until) {
-        POOL.stats[2]++;
         for (int64_t c = 0; c < n; c++) fn(arg, c, 0);
         pthread_mutex_unlock(&POOL.owner);
         return;
@@ -365,9 +359,7 @@ static void pool_run(chunk_fn fn, void* arg, int64_t n) {
     wait_done(chunks);
     int64_t waited = now_ns() - t1;
     int64_t per_chunk = own ? (t1 - t0) / own : 0;
-    POOL.stats[0]++;
     if (waited > STALL_MIN_NS && waited > STALL_CHUNKS * per_chunk) {
-        POOL.stats[1]++;
         POOL.solo_until = now_ns() + POOL.backoff;
         POOL.backoff = POOL.backoff * 2 > MAX_BACKOFF_NS ? MAX_BACKOFF_NS : POOL.backoff * 2;
     } else {
